@@ -1,0 +1,229 @@
+"""The public function: validates, fills defaults, dispatches."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jflash._src import kernel_vjp
+from jflash._src import platform
+from jflash._src import reference
+from jflash._src.block_sizes import BlockSizes
+from jflash._src.block_sizes import default_block_sizes
+from jflash._src.forward import KernelConfig
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                    jnp.dtype(jnp.float16))
+IMPLEMENTATIONS = ("triton", "xla")
+
+
+def flash_attention(
+    query: jax.typing.ArrayLike,
+    key: jax.typing.ArrayLike,
+    value: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = None,
+    mask: jax.typing.ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.typing.ArrayLike | None = None,
+    key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+    implementation: Literal["triton", "xla"] | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+  r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
+
+  Computes `softmax(scale * Q K^T) V` per head without storing the
+  [q_len, kv_len] matrix, forward or backward. Arguments, layout, defaults and
+  the causal convention are those of `jax.nn.dot_product_attention`.
+
+  Shapes use B = batch, T = query length, S = key/value length, N = query
+  heads, K = key/value heads, H = head dim. With K < N (GQA; MQA when K = 1),
+  query head n reads key/value head n // (N // K); K/V are never repeated.
+
+  Causal alignment is top-left, as in jax.nn: query row t sees keys s <= t,
+  also when T != S. For T = 2, S = 4 (x = visible)::
+
+      x . . .
+      x x . .
+
+  Rows with no visible key (t >= query_seq_lengths[b], or
+  key_value_seq_lengths[b] == 0) output exactly 0 and pass zero gradients.
+  jax.nn also zeroes rows past query_seq_lengths, but gives rows with
+  key_value_seq_lengths == 0 the mean of all values; jflash gives 0.
+
+  Args:
+    query: [B, T, N, H] or unbatched [T, N, H].
+    key: [B, S, K, H] or [S, K, H]; N must be a multiple of K.
+    value: same shape and dtype as `key`.
+    bias: not supported yet; must be None.
+    mask: not supported yet; must be None (use `is_causal` and the lengths).
+    scale: logit scale, a Python float; default 1 / sqrt(H).
+    is_causal: apply the top-left causal mask.
+    query_seq_lengths: integer [B]: rows t >= length output 0.
+    key_value_seq_lengths: integer [B]: keys s >= length are masked out.
+    implementation: "triton" for the Pallas-Triton kernels (a CUDA GPU, or
+      any machine with `interpret=True`); "xla" for the pure-JAX path (it
+      materializes the attention matrix); None picks "triton" on a CUDA GPU
+      (or when `interpret=True`) and "xla" elsewhere.
+    block_sizes: kernel tiles and launch parameters; default chosen per
+      device and shape by `jflash.default_block_sizes`.
+    interpret: run the very same kernels through the Pallas interpreter (on
+      any backend, slowly); used by the CPU test suite.
+
+  Returns:
+    Array of `query`'s shape and dtype.
+
+  Raises:
+    ValueError: on inconsistent shapes, ranks, dtypes, lengths or options,
+      before any kernel runs.
+    NotImplementedError: for valid options the kernels do not support yet
+      (bias, mask, head dim > 256, dtypes other than float32 / bfloat16 /
+      float16) and for higher-order derivatives.
+  """
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  _check_operands(query, key, value)
+  if bias is not None:
+    raise NotImplementedError(
+        "flash_attention: `bias` is not supported yet; pass bias=None.")
+  if mask is not None:
+    raise NotImplementedError(
+        "flash_attention: a dense `mask` is not supported yet; use "
+        "is_causal, query_seq_lengths and key_value_seq_lengths.")
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise ValueError(f"is_causal must be a bool, got {is_causal!r}.")
+  if not isinstance(interpret, (bool, np.bool_)):
+    raise ValueError(f"interpret must be a bool, got {interpret!r}.")
+
+  unbatched = query.ndim == 3
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+  batch, q_seq, num_heads, head_dim = query.shape
+  kv_seq = key.shape[1]
+  scale = _check_scale(scale, head_dim)
+  q_lens = _check_lengths(query_seq_lengths, "query_seq_lengths", batch,
+                          q_seq)
+  kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
+                           batch, kv_seq)
+  use_kernels = _choose_implementation(implementation, interpret, block_sizes)
+
+  if 0 in (batch, q_seq, kv_seq, num_heads):
+    # Nothing to attend to (or nothing asked): every row is empty.
+    out = jnp.zeros(query.shape, query.dtype)
+  elif use_kernels:
+    if block_sizes is None:
+      block_sizes = default_block_sizes(
+          q_len=q_seq, kv_len=kv_seq, head_dim=head_dim, dtype=query.dtype,
+          is_causal=bool(is_causal), device_kind=platform.device_kind())
+    config = KernelConfig(scale=scale, is_causal=bool(is_causal),
+                          block_sizes=block_sizes, interpret=bool(interpret))
+    out = kernel_vjp.flash_attention_kernels(query, key, value, q_lens,
+                                             kv_lens, config)
+  else:
+    out = reference.attention_reference(query, key, value, q_lens, kv_lens,
+                                        scale=scale,
+                                        is_causal=bool(is_causal))
+  return out[0] if unbatched else out
+
+
+def _check_operands(query, key, value):
+  shapes = f"query.shape={query.shape}, key.shape={key.shape}, " \
+           f"value.shape={value.shape}"
+  if query.ndim not in (3, 4) or key.ndim != query.ndim or \
+      value.ndim != query.ndim:
+    raise ValueError(
+        "query, key and value must all be 4-D [batch, seq_len, num_heads, "
+        f"head_dim] or all 3-D [seq_len, num_heads, head_dim]; got {shapes}.")
+  if key.shape != value.shape:
+    raise ValueError(f"key and value must have the same shape; got {shapes}.")
+  if query.ndim == 4 and query.shape[0] != key.shape[0]:
+    raise ValueError(f"query and key must have the same batch size; got "
+                     f"{shapes}.")
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"query and key must have the same head_dim; got "
+                     f"{shapes}.")
+  num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
+  if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+    raise ValueError(
+        f"The number of query heads ({num_heads}) must be a multiple of the "
+        f"number of key/value heads ({num_kv_heads}); got {shapes}.")
+  if not query.dtype == key.dtype == value.dtype:
+    raise ValueError(
+        f"query, key and value must have the same dtype; got "
+        f"query.dtype={query.dtype}, key.dtype={key.dtype}, "
+        f"value.dtype={value.dtype}.")
+  if query.dtype not in SUPPORTED_DTYPES:
+    names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+    raise NotImplementedError(
+        f"flash_attention supports dtypes {names}; got {query.dtype}.")
+  head_dim = query.shape[-1]
+  if head_dim > MAX_HEAD_DIM:
+    raise NotImplementedError(
+        f"flash_attention supports head_dim <= {MAX_HEAD_DIM}; got "
+        f"{head_dim=} ({shapes}).")
+  if head_dim == 0:
+    raise ValueError(f"head_dim must be positive; got {shapes}.")
+
+
+def _check_scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  try:
+    value = float(scale)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise ValueError(
+        f"scale must be a Python float known at trace time; got {scale!r}."
+    ) from e
+  if not math.isfinite(value):
+    raise ValueError(f"scale must be finite; got {scale!r}.")
+  return value
+
+
+def _check_lengths(lengths, name: str, batch: int, seq_len: int):
+  """Validates a lengths argument; returns int32 [batch] clipped to seq_len."""
+  if lengths is None:
+    return jnp.full((batch,), seq_len, jnp.int32)
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (batch,):
+    raise ValueError(f"{name} must have shape (batch,) = ({batch},); got "
+                     f"{name}.shape={lengths.shape}.")
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array; got "
+                     f"{name}.dtype={lengths.dtype}.")
+  return jnp.clip(lengths, 0, seq_len).astype(jnp.int32)
+
+
+def _choose_implementation(implementation, interpret: bool,
+                           block_sizes) -> bool:
+  """Returns True for the Pallas kernels, False for the XLA path."""
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or "
+                     f"None; got {implementation!r}.")
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a jflash.BlockSizes or None; got "
+                     f"{type(block_sizes).__name__}.")
+  if implementation == "xla":
+    if interpret:
+      raise ValueError("interpret=True runs the Triton kernels; it cannot be "
+                       "combined with implementation='xla'.")
+    if block_sizes is not None:
+      raise ValueError("block_sizes configures the Triton kernels; it cannot "
+                       "be combined with implementation='xla'.")
+    return False
+  if interpret or platform.cuda_gpu_available():
+    return True
+  if implementation == "triton":
+    raise ValueError(
+        "implementation='triton' needs a CUDA GPU, and JAX's default backend "
+        f"is {jax.default_backend()!r}. Pass interpret=True to run the same "
+        "kernels through the Pallas interpreter, or implementation='xla'.")
+  if block_sizes is not None:
+    raise ValueError("block_sizes configures the Triton kernels, which run "
+                     "only on a CUDA GPU or with interpret=True.")
+  return False

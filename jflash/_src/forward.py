@@ -1,0 +1,165 @@
+"""Forward kernel: tiled attention with online softmax (FlashAttention-2).
+
+Limitations: the Pallas Triton backend (deprecated since JAX 0.11, see
+WORKSPACE_NOTES.md); head_dim <= 256; float32, bfloat16 and float16 inputs.
+
+Layout: q [batch, q_len, num_heads, head_dim], k/v [batch, kv_len,
+num_kv_heads, head_dim]. One program computes one query tile of one
+(batch, head): grid (num_query_tiles, batch, num_heads). Query head h reads
+key/value head h // (num_heads // num_kv_heads); K/V are never repeated.
+
+Outputs: O in the input dtype and the per-row log-sum-exp in fp32, in base 2
+of the scaled logits: lse2 = log2(sum_c 2^(scale * log2(e) * q.k_c)). It is
+the only statistic the backward needs (p = 2^(s2 - lse2)). A row that sees no
+key at all (past q_len, or kv_len == 0) gets O = 0 and lse2 = +inf, which
+makes every probability the backward recomputes for it exactly 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from jflash._src import masks
+from jflash._src import tiles
+from jflash._src.block_sizes import BlockSizes
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Static configuration of one attention call, shared by all kernels."""
+
+  scale: float
+  is_causal: bool
+  block_sizes: BlockSizes
+  interpret: bool = False
+
+  @property
+  def mask(self) -> masks.MaskSpec:
+    return masks.MaskSpec(is_causal=self.is_causal)
+
+
+def head_dim_padded(head_dim: int) -> int:
+  return max(16, pl.next_power_of_2(head_dim))
+
+
+# FlashAttention-2 (Dao, 2023), Algorithm 1, one query tile per program.
+def forward_kernel(
+    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,  # Inputs.
+    o_ref, lse_ref,  # Outputs.
+    *, mask: masks.MaskSpec, scale: float, block_q: int, block_k: int,
+    head_dim: int,
+):
+  q_tile_index, batch_index = pl.program_id(0), pl.program_id(1)
+  q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
+  q_len = plgpu.load(q_len_ref.at[batch_index])
+  kv_len = plgpu.load(kv_len_ref.at[batch_index])
+  q_start = q_tile_index * block_q
+  rows = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
+
+  q = tiles.load_tile(
+      q_ref, q_start, block_q, head_dim=head_dim,
+      seq_len=q_seq if q_seq % block_q else None)
+  # Logits are kept in base 2: exp(scale * x) == exp2(scale * log2(e) * x).
+  logit_scale = scale * tiles.LOG2_E
+
+  def step(k_tile_index, carry, *, needs_mask: bool):
+    acc, row_max, row_sum = carry
+    k_start = k_tile_index * block_k
+    # Fully visible tiles lie below kv_len <= kv_seq: no row mask on the loads.
+    seq_len = kv_seq if needs_mask else None
+    k = tiles.load_tile(k_ref, k_start, block_k, seq_len=seq_len,
+                        head_dim=head_dim)
+    v = tiles.load_tile(v_ref, k_start, block_k, seq_len=seq_len,
+                        head_dim=head_dim)
+    logits = tiles.matmul(q, k, trans_b=True) * logit_scale
+    if needs_mask:
+      cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+      seen = masks.visible(mask, rows, cols, kv_len)
+      logits = jnp.where(seen, logits, tiles.MASK_VALUE)
+    new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+    probs = jnp.exp2(logits - new_max[:, None])
+    if needs_mask:
+      # Exact zeros even for rows that have seen no visible key yet (for them
+      # new_max is MASK_VALUE and the line above gives 1).
+      probs = jnp.where(seen, probs, 0.0)
+    correction = jnp.exp2(row_max - new_max)
+    row_sum = row_sum * correction + jnp.sum(probs, axis=1)
+    acc = acc * correction[:, None] + tiles.matmul(probs.astype(v.dtype), v)
+    return acc, new_max, row_sum
+
+  blocks = masks.key_blocks_for_query_block(
+      mask, q_start, block_q, block_k, q_len, kv_len)
+  carry = (
+      jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
+      jnp.full((block_q,), tiles.MASK_VALUE, jnp.float32),
+      jnp.zeros((block_q,), jnp.float32),
+  )
+  carry = lax.fori_loop(blocks.start, blocks.split,
+                        functools.partial(step, needs_mask=False), carry)
+  carry = lax.fori_loop(blocks.split, blocks.stop,
+                        functools.partial(step, needs_mask=True), carry)
+  acc, row_max, row_sum = carry
+
+  # A row has a visible key iff its sum is positive (masked probabilities are
+  # exact zeros); rows past q_len are treated as having none.
+  has_keys = jnp.logical_and(row_sum > 0.0, rows[:, 0] < q_len)
+  safe_sum = jnp.where(has_keys, row_sum, 1.0)
+  out = jnp.where(has_keys[:, None], acc / safe_sum[:, None], 0.0)
+  lse = jnp.where(has_keys, row_max + jnp.log2(safe_sum), jnp.inf)
+  tiles.store_tile(o_ref, q_start, out, seq_len=q_seq, head_dim=head_dim)
+  tiles.store_row_stats(lse_ref, q_start, lse, seq_len=q_seq)
+
+
+def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
+  """Launches the forward kernel.
+
+  Args:
+    q: [batch, q_len, num_heads, head_dim].
+    k: [batch, kv_len, num_kv_heads, head_dim].
+    v: [batch, kv_len, num_kv_heads, head_dim].
+    q_lens: int32 [batch], valid query rows per batch element, in [0, q_len].
+    kv_lens: int32 [batch], valid keys per batch element, in [0, kv_len].
+    config: static kernel configuration.
+
+  Returns:
+    (out [batch, q_len, num_heads, head_dim] in q.dtype,
+     lse2 float32 [batch, num_heads, q_len]).
+  """
+  batch, q_seq, num_heads, head_dim = q.shape
+  kv_seq, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_heads // num_kv_heads
+  block_q = config.block_sizes.block_q
+  block_k = config.block_sizes.block_k
+  head_dim_p = head_dim_padded(head_dim)
+
+  kernel = functools.partial(
+      forward_kernel, mask=config.mask, scale=config.scale, block_q=block_q,
+      block_k=block_k, head_dim=head_dim)
+  q_spec = pl.BlockSpec((None, q_seq, None, head_dim_p),
+                        lambda i, b, h: (b, 0, h, 0))
+  kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
+                         lambda i, b, h: (b, 0, h // group, 0))
+  lengths_spec = pl.BlockSpec((batch,), lambda i, b, h: (0,))
+  lse_spec = pl.BlockSpec((None, None, q_seq), lambda i, b, h: (b, h, 0))
+  return pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(q_seq, block_q), batch, num_heads),
+      in_specs=[q_spec, kv_spec, kv_spec, lengths_spec, lengths_spec],
+      out_specs=[q_spec, lse_spec],
+      out_shape=[
+          jax.ShapeDtypeStruct(q.shape, q.dtype),
+          jax.ShapeDtypeStruct((batch, num_heads, q_seq), jnp.float32),
+      ],
+      compiler_params=plgpu.CompilerParams(
+          num_warps=config.block_sizes.num_warps,
+          num_stages=config.block_sizes.num_stages),
+      interpret=config.interpret,
+      name="jflash_forward",
+  )(q, k, v, q_lens, kv_lens)

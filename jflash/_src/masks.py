@@ -1,0 +1,132 @@
+"""The one mask description shared by the forward and backward kernels.
+
+A query row `r` sees key column `c` when
+
+    c < kv_len                      (key/value length of this batch element)
+    and (not is_causal or c <= r)   (top-left causal alignment, as jax.nn)
+
+Rows `r >= q_len` see nothing. The same predicate decides, per tile, which
+tiles are visited at all (loop bounds) and which tiles need the element-wise
+mask (the ones the predicate cuts through), so the forward and the two
+backward kernels can never disagree about what is masked.
+
+All bounds are computed inside kernels from traced `int32` scalars, so they
+use `lax.div` and `jnp.minimum` rather than Python arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """Static part of the mask (the dynamic part is the per-batch lengths)."""
+
+  is_causal: bool
+
+
+def _cdiv(a, b: int):
+  return lax.div(a + (b - 1), b)
+
+
+def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len):
+  """Element-wise visibility of a tile.
+
+  Args:
+    mask: the static mask description.
+    rows: absolute query positions, shape [block_q, 1].
+    cols: absolute key positions, shape [1, block_k].
+    kv_len: key/value length of this batch element (traced int32 scalar).
+
+  Returns:
+    bool [block_q, block_k]: True where row may attend to column. Rows past
+    `q_len` are not masked here: the kernels zero them through the stored
+    log-sum-exp (see forward.py).
+  """
+  result = cols < kv_len
+  if mask.is_causal:
+    result = jnp.logical_and(result, cols <= rows)
+  return result
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRange:
+  """Tiles to visit along one axis: [start, split) and [split, stop).
+
+  Tiles in `[start, split)` are on one side of the mask boundary and tiles in
+  `[split, stop)` on the other; which side needs element-wise masking is
+  stated by the function that built the range.
+  """
+
+  start: jax.Array
+  split: jax.Array
+  stop: jax.Array
+
+
+def key_blocks_for_query_block(
+    mask: MaskSpec, q_start, block_q: int, block_k: int, q_len, kv_len
+) -> BlockRange:
+  """Key tiles that a query tile must visit (forward and dQ kernels).
+
+  Key tiles in `[0, split)` are fully visible to every row of the query tile
+  (no element-wise mask needed); tiles in `[split, stop)` are cut by the mask.
+  Key tiles at or past `stop` are invisible to every row and never visited.
+
+  Args:
+    mask: the static mask description.
+    q_start: first query position of the tile (traced int32).
+    block_q: query tile size.
+    block_k: key tile size.
+    q_len: query length of this batch element.
+    kv_len: key/value length of this batch element.
+  """
+  visible_end = kv_len  # One past the last column any row of the tile sees.
+  full_end = kv_len  # One past the last column every row of the tile sees.
+  if mask.is_causal:
+    visible_end = jnp.minimum(visible_end, q_start + block_q)
+    full_end = jnp.minimum(full_end, q_start + 1)
+  stop = _cdiv(visible_end, block_k)
+  # A query tile entirely past q_len has nothing to compute.
+  stop = jnp.where(q_start < q_len, stop, 0)
+  split = jnp.minimum(lax.div(full_end, block_k), stop)
+  return BlockRange(start=jnp.int32(0), split=split, stop=stop)
+
+
+def query_blocks_for_key_block(
+    mask: MaskSpec, k_start, block_k: int, block_q: int, q_len, kv_len
+) -> BlockRange:
+  """Query tiles that a key tile must visit (dK/dV kernel).
+
+  Query tiles in `[start, split)` are cut by the mask (element-wise masking
+  needed); tiles in `[split, stop)` see every column of the key tile. Query
+  tiles outside `[start, stop)` see none of it and are never visited.
+
+  Args:
+    mask: the static mask description.
+    k_start: first key position of the tile (traced int32).
+    block_k: key tile size.
+    block_q: query tile size.
+    q_len: query length of this batch element.
+    kv_len: key/value length of this batch element.
+  """
+  stop = _cdiv(q_len, block_q)
+  if mask.is_causal:
+    # Row r sees column c only if r >= c: rows before k_start see nothing.
+    start = jnp.minimum(lax.div(k_start, block_q), stop)
+    # Rows r >= k_start + block_k - 1 see every column of the tile.
+    split = _cdiv(k_start + block_k - 1, block_q)
+  else:
+    start = jnp.int32(0)
+    split = start
+  # A key tile that crosses kv_len needs the element-wise mask everywhere; one
+  # entirely past kv_len is visited by no query tile.
+  split = jnp.where(k_start + block_k <= kv_len, split, stop)
+  split = jnp.clip(split, start, stop)
+  start = jnp.where(k_start < kv_len, start, stop)
+  split = jnp.maximum(split, start)
+  return BlockRange(start=start, split=split, stop=stop)

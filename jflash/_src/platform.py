@@ -1,0 +1,22 @@
+"""What machine we are on: decides the default implementation and tiles."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+
+@functools.cache
+def cuda_gpu_available() -> bool:
+  """True when JAX's default backend is an NVIDIA (CUDA) GPU."""
+  if jax.default_backend() != "gpu":
+    return False
+  device = jax.devices()[0]
+  version = getattr(device.client, "platform_version", "") or ""
+  return "rocm" not in version.lower()
+
+
+def device_kind() -> str:
+  """`device_kind` of the default device, e.g. "NVIDIA H100 80GB HBM3"."""
+  return jax.devices()[0].device_kind

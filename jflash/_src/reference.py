@@ -1,0 +1,55 @@
+"""Pure-JAX attention with jflash's semantics: the "xla" implementation.
+
+It materializes the [batch, heads, q_len, kv_len] logits, so its memory is
+quadratic in the sequence length; it exists for machines without a CUDA GPU
+and as a readable statement of what the kernels compute. It differs from
+`jax.nn.dot_product_attention` in one place only: a query row that sees no
+key at all outputs 0 (jax.nn averages every value for such rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jflash._src import tiles
+
+
+def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
+                        is_causal: bool):
+  """Reference attention.
+
+  Args:
+    q: [batch, q_len, num_heads, head_dim].
+    k: [batch, kv_len, num_kv_heads, head_dim].
+    v: [batch, kv_len, num_kv_heads, head_dim].
+    q_lens: int32 [batch], valid query rows per batch element.
+    kv_lens: int32 [batch], valid keys per batch element.
+    scale: logit scale.
+    is_causal: top-left causal mask (query row r sees keys c <= r).
+
+  Returns:
+    [batch, q_len, num_heads, head_dim] in q.dtype.
+  """
+  batch, q_seq, num_heads, head_dim = q.shape
+  kv_seq, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_heads // num_kv_heads
+  # Query head h reads key/value head h // group: split heads as (kv, group).
+  q = q.reshape(batch, q_seq, num_kv_heads, group, head_dim)
+  logits = jnp.einsum("btkgd,bskd->bkgts", q, k,
+                      preferred_element_type=jnp.float32) * scale
+  rows = jnp.arange(q_seq)[:, None]
+  cols = jnp.arange(kv_seq)[None, :]
+  visible = cols[None] < kv_lens[:, None, None]
+  if is_causal:
+    visible = jnp.logical_and(visible, cols <= rows)
+  visible = jnp.logical_and(visible, rows[None] < q_lens[:, None, None])
+  visible = visible[:, None, None]  # [batch, 1, 1, q_len, kv_len]
+  logits = jnp.where(visible, logits, tiles.MASK_VALUE)
+  row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  probs = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
+  row_sum = jnp.sum(probs, axis=-1, keepdims=True)
+  probs = probs / jnp.where(row_sum > 0.0, row_sum, 1.0)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(batch, q_seq, num_heads, head_dim).astype(q.dtype)

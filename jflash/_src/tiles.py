@@ -1,0 +1,110 @@
+"""Building blocks shared by the kernels: tile loads and stores, the matmul.
+
+Kernels see refs laid out as [seq_len, head_dim_padded] (or with a head-group
+axis in the middle, [seq_len, group, head_dim_padded], for the dK/dV kernel).
+The head dimension is padded to a power of two (Triton tiles must be powers of
+two); the padding columns are never read from or written to memory: loads
+mask them to zero and stores mask them out. Rows past the end of the array
+are handled the same way, so any sequence length works without padding the
+inputs in HBM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+LOG2_E = math.log2(math.e)
+
+# Logits of masked entries. Finite on purpose: with -inf, a row whose tile is
+# entirely masked would compute exp2(-inf - (-inf)) = NaN in the online-softmax
+# correction. Any finite logit is far above this, so exp2(MASK_VALUE - m) is
+# exactly 0 once the row has seen one visible key; kernels additionally zero
+# masked probabilities explicitly, so rows with no visible key stay exact too.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _index(start, size: int, group_index):
+  if group_index is None:
+    return (pl.ds(start, size), slice(None))
+  return (pl.ds(start, size), group_index, slice(None))
+
+
+def _mask(start, size: int, seq_len: int | None, head_dim: int,
+          head_dim_padded: int):
+  """Mask of in-bounds elements of a [size, head_dim_padded] tile, or None."""
+  mask = None
+  if seq_len is not None:
+    rows = start + jnp.arange(size, dtype=jnp.int32)
+    mask = (rows < seq_len)[:, None]
+  if head_dim < head_dim_padded:
+    cols = (jnp.arange(head_dim_padded, dtype=jnp.int32) < head_dim)[None, :]
+    mask = cols if mask is None else jnp.logical_and(mask, cols)
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, (size, head_dim_padded))
+  return mask
+
+
+def load_tile(ref, start, size: int, *, seq_len: int | None, head_dim: int,
+              group_index=None):
+  """Loads rows [start, start + size) of a [seq, (group,) head_dim_p] ref.
+
+  Args:
+    ref: the kernel ref.
+    start: first row (traced int32).
+    size: number of rows (static).
+    seq_len: rows at or past it read as 0; None when the caller knows the
+      whole tile is in bounds (this drops the row mask from the load).
+    head_dim: the true head dimension; padding columns read as 0.
+    group_index: index into the middle (head-group) axis, if the ref has one.
+  """
+  head_dim_padded = ref.shape[-1]
+  mask = _mask(start, size, seq_len, head_dim, head_dim_padded)
+  idx = _index(start, size, group_index)
+  if mask is None:
+    return plgpu.load(ref.at[idx])
+  return plgpu.load(ref.at[idx], mask=mask, other=0.0)
+
+
+def store_tile(ref, start, value, *, seq_len: int, head_dim: int,
+               group_index=None):
+  """Stores a [size, head_dim_p] tile at rows [start, start + size)."""
+  size, head_dim_padded = value.shape
+  # Rows past the array are always masked on stores: writing them would
+  # corrupt the next head's or batch element's rows.
+  mask = _mask(start, size, seq_len, head_dim, head_dim_padded)
+  idx = _index(start, size, group_index)
+  plgpu.store(ref.at[idx], value.astype(ref.dtype), mask=mask)
+
+
+def load_row_stats(ref, start, size: int, *, seq_len: int, other: float,
+                   group_index=None):
+  """Loads a [size] slice of a per-row fp32 statistic (lse or delta)."""
+  rows = start + jnp.arange(size, dtype=jnp.int32)
+  if group_index is None:
+    idx = (pl.ds(start, size),)
+  else:
+    idx = (group_index, pl.ds(start, size))
+  return plgpu.load(ref.at[idx], mask=rows < seq_len, other=other)
+
+
+def store_row_stats(ref, start, value, *, seq_len: int):
+  rows = start + jnp.arange(value.shape[0], dtype=jnp.int32)
+  plgpu.store(ref.at[pl.ds(start, value.shape[0])], value, mask=rows < seq_len)
+
+
+def matmul(a: jax.Array, b: jax.Array, *, trans_a: bool = False,
+           trans_b: bool = False) -> jax.Array:
+  """fp32-accumulated tile product.
+
+  float32 operands use full IEEE fp32 (Triton's default for a float32 dot is
+  TF32, about 3e-4 relative error, which would make a float32 call less exact
+  than jax.nn); 16-bit operands use the tensor cores with fp32 accumulation.
+  """
+  precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
