@@ -174,6 +174,8 @@ def _check_operands(query, key, value):
 def _check_scale(scale, head_dim: int) -> float:
   if scale is None:
     return 1.0 / math.sqrt(head_dim)
+  if isinstance(scale, (str, bytes, bool)):
+    raise ValueError(f"scale must be a Python float; got {scale!r}.")
   try:
     value = float(scale)
   except (TypeError, jax.errors.ConcretizationTypeError) as e:

@@ -1,0 +1,88 @@
+"""Quick compiled-kernel check on a GPU: errors against jax.nn, one timing.
+
+Usage (repo root, GPU machine): PYTHONPATH=. python3 benchmarks/check_gpu.py
+Prints, per case, the max abs error of the output and of dq, dk, dv against
+jax.nn.dot_product_attention on float32-upcast inputs at HIGHEST precision,
+next to the error of jax.nn itself run in the input dtype.
+"""
+
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+import jflash
+
+CASES = [
+    # B, T, S, N, K, D, dtype, causal
+    (2, 256, 256, 4, 4, 64, "bfloat16", False),
+    (2, 256, 256, 4, 4, 64, "bfloat16", True),
+    (1, 257, 100, 8, 2, 80, "float16", True),
+    (2, 100, 257, 4, 1, 128, "float32", False),
+    (1, 300, 300, 2, 2, 256, "bfloat16", True),
+    (1, 17, 33, 2, 2, 32, "bfloat16", False),
+]
+
+
+def _errors(b, t, s, n, k, d, dtype, causal):
+  keys = jax.random.split(jax.random.key(t * s + d), 4)
+  q = jax.random.normal(keys[0], (b, t, n, d), dtype)
+  kk = jax.random.normal(keys[1], (b, s, k, d), dtype)
+  v = jax.random.normal(keys[2], (b, s, k, d), dtype)
+  do = jax.random.normal(keys[3], (b, t, n, d), dtype)
+
+  def run(fn, *args):
+    out, vjp = jax.vjp(fn, *args)
+    return (out, *vjp(do.astype(out.dtype)))
+
+  ours = jax.jit(lambda *a: run(lambda q, k, v: jflash.flash_attention(
+      q, k, v, is_causal=causal, implementation="triton"), *a))(q, kk, v)
+  low = jax.jit(lambda *a: run(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal), *a))(q, kk, v)
+  with jax.default_matmul_precision("highest"):
+    up = [x.astype(jnp.float32) for x in (q, kk, v)]
+    ref = jax.jit(lambda *a: run(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal), *a))(*up)
+  err = lambda xs: [float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)))
+                    for x, r in zip(xs, ref)]
+  return err(ours), err(low)
+
+
+def main():
+  print(jax.__version__, jax.devices())
+  for case in CASES:
+    try:
+      ours, low = _errors(*case)
+      flag = "OK " if all(o <= 3 * l + 1e-3 for o, l in zip(ours, low)) else "BAD"
+      print(flag, case, "jflash", ["%.2e" % e for e in ours],
+            "jax.nn-lowp", ["%.2e" % e for e in low], flush=True)
+    except Exception:  # pylint: disable=broad-except
+      print("FAIL", case)
+      traceback.print_exc()
+  b, n, h, d = 1, 8192, 16, 128
+  keys = jax.random.split(jax.random.key(1), 3)
+  q, k, v = (jax.random.normal(x, (b, n, h, d), jnp.bfloat16) for x in keys)
+  for causal in (False, True):
+    for name, fn in (
+        ("jflash", lambda q, k, v: jflash.flash_attention(
+            q, k, v, is_causal=causal)),
+        ("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"))):
+      f = jax.jit(fn)
+      f(q, k, v).block_until_ready()
+      times = []
+      for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(10):
+          out = f(q, k, v)
+        out.block_until_ready()
+        times.append((time.perf_counter() - t0) / 10)
+      times.sort()
+      flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+      print(f"fwd causal={causal} {name}: {flops / times[2] / 1e12:.0f} "
+            "TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,134 @@
+"""Forward and gradients of the kernels against jax.nn.dot_product_attention.
+
+Runs the Pallas kernels through the interpreter on CPU and compiled on a GPU
+(JFLASH_TEST_ON_GPU=1); see test_util.INTERPRET.
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from tests import test_util
+
+
+class AttentionTest(parameterized.TestCase):
+  INTERPRET = test_util.INTERPRET
+
+  def _flash(self, block_sizes=test_util.SMALL_BLOCKS, **kwargs):
+    return functools.partial(
+        jflash.flash_attention, implementation="triton",
+        interpret=self.INTERPRET, block_sizes=block_sizes, **kwargs)
+
+  def _check(self, seed, *, is_causal=False, block_sizes=test_util.SMALL_BLOCKS,
+             lengths=None, **shape):
+    q, k, v, dout = test_util.random_inputs(seed, **shape)
+    kwargs = dict(is_causal=is_causal)
+    if lengths is not None:
+      kwargs.update(query_seq_lengths=jnp.asarray(lengths[0], jnp.int32),
+                    key_value_seq_lengths=jnp.asarray(lengths[1], jnp.int32))
+    fn = self._flash(block_sizes=block_sizes, **kwargs)
+    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+        fn, q, k, v, dout)
+    test_util.assert_close_to_jax_nn(self, results, q, k, v, dout, **kwargs)
+    return results
+
+  @parameterized.product(
+      dtype=("float32", "bfloat16", "float16"), is_causal=(False, True))
+  def test_dtypes(self, dtype, is_causal):
+    self._check(0, dtype=dtype, is_causal=is_causal, q_len=80, kv_len=80)
+
+  @parameterized.named_parameters(
+      ("len1", 1, 1), ("len17", 17, 17), ("len100", 100, 100),
+      ("len257", 257, 257), ("q_shorter", 17, 100), ("q_longer", 100, 33),
+      ("q1_kv257", 1, 257))
+  def test_sequence_lengths(self, q_len, kv_len):
+    for is_causal in (False, True):
+      with self.subTest(is_causal=is_causal):
+        self._check(q_len + kv_len, q_len=q_len, kv_len=kv_len, batch=1,
+                    is_causal=is_causal, dtype="bfloat16")
+
+  @parameterized.parameters(32, 64, 80, 128, 256)
+  def test_head_dims(self, head_dim):
+    self._check(head_dim, head_dim=head_dim, q_len=48, kv_len=40, batch=1,
+                is_causal=True, dtype="bfloat16")
+
+  @parameterized.named_parameters(
+      ("gqa_8_2", 8, 2, False), ("gqa_8_2_causal", 8, 2, True),
+      ("mqa_4_1", 4, 1, False), ("mqa_4_1_causal", 4, 1, True))
+  def test_grouped_query_attention(self, num_heads, num_kv_heads, is_causal):
+    self._check(num_heads, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                q_len=40, kv_len=72, batch=1, is_causal=is_causal,
+                dtype="float32")
+
+  @parameterized.named_parameters(
+      ("padding", False), ("padding_causal", True))
+  def test_sequence_length_masks(self, is_causal):
+    # Lengths inside the arrays, on tile edges, and the full length.
+    lengths = ([70, 16, 33], [16, 70, 1])
+    self._check(7, batch=3, q_len=70, kv_len=70, num_heads=2,
+                num_kv_heads=1, lengths=lengths, is_causal=is_causal)
+
+  def test_default_block_sizes(self):
+    self._check(3, q_len=130, kv_len=200, is_causal=True, block_sizes=None,
+                dtype="bfloat16")
+
+  def test_rows_without_visible_keys_are_zero_with_zero_gradients(self):
+    # Batch 0: every key masked (kv length 0), and its query rows from 5 on
+    # masked (query length 5). Batch 1: a normal row of attention.
+    q, k, v, dout = test_util.random_inputs(11, batch=2, q_len=40, kv_len=40)
+    q_lens = jnp.array([5, 40], jnp.int32)
+    kv_lens = jnp.array([0, 40], jnp.int32)
+    fn = self._flash(is_causal=True, query_seq_lengths=q_lens,
+                     key_value_seq_lengths=kv_lens)
+    out, dq, dk, dv = jax.jit(test_util.value_and_grads, static_argnums=0)(
+        fn, q, k, v, dout)
+    chex.assert_tree_all_finite((out, dq, dk, dv))
+    for name, x in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv)):
+      np.testing.assert_array_equal(np.asarray(x[0]), 0.0, err_msg=name)
+    # Batch 1 is unaffected by batch 0.
+    test_util.assert_close_to_jax_nn(
+        self, (out[1:], dq[1:], dk[1:], dv[1:]), q[1:], k[1:], v[1:],
+        dout[1:], is_causal=True)
+
+  def test_query_rows_past_length_are_zero(self):
+    q, k, v, dout = test_util.random_inputs(12, batch=1, q_len=50, kv_len=30)
+    fn = self._flash(query_seq_lengths=jnp.array([21], jnp.int32))
+    out, dq, _, _ = test_util.value_and_grads(fn, q, k, v, dout)
+    np.testing.assert_array_equal(np.asarray(out[0, 21:]), 0.0)
+    np.testing.assert_array_equal(np.asarray(dq[0, 21:]), 0.0)
+    self.assertGreater(float(jnp.min(jnp.abs(out[0, :21]).max(-1))), 0.0)
+
+  def test_scale(self):
+    q, k, v, dout = test_util.random_inputs(13, q_len=33, kv_len=47)
+    fn = self._flash(scale=0.37, is_causal=True)
+    results = test_util.value_and_grads(fn, q, k, v, dout)
+    test_util.assert_close_to_jax_nn(self, results, q, k, v, dout,
+                                     scale=0.37, is_causal=True)
+
+  def test_unbatched_inputs(self):
+    q, k, v, dout = test_util.random_inputs(14, batch=1, q_len=33, kv_len=20,
+                                            num_heads=4, num_kv_heads=2)
+    fn = self._flash(is_causal=True)
+    batched = test_util.value_and_grads(fn, q, k, v, dout)
+    unbatched = test_util.value_and_grads(fn, q[0], k[0], v[0], dout[0])
+    chex.assert_trees_all_close(unbatched, tuple(x[0] for x in batched),
+                                rtol=1e-6, atol=1e-6)
+
+  def test_deterministic(self):
+    q, k, v, dout = test_util.random_inputs(15, q_len=70, kv_len=70,
+                                            num_heads=4, num_kv_heads=2,
+                                            dtype="bfloat16")
+    fn = jax.jit(test_util.value_and_grads, static_argnums=0)
+    flash = self._flash(is_causal=True)
+    chex.assert_trees_all_equal(fn(flash, q, k, v, dout),
+                                fn(flash, q, k, v, dout))
+
+
+if __name__ == "__main__":
+  absltest.main()

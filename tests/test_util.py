@@ -1,0 +1,94 @@
+"""Shared helpers: inputs, references, and the comparison the table defines."""
+
+from __future__ import annotations
+
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from tests import tolerances
+
+# The kernel tests run compiled on a GPU when JFLASH_TEST_ON_GPU=1 and through
+# the Pallas interpreter (the very same kernels) everywhere else.
+ON_GPU = os.environ.get("JFLASH_TEST_ON_GPU", "") == "1"
+INTERPRET = not ON_GPU
+
+# Small tiles, different for every kernel, so that short test sequences still
+# cross several tiles (and partial last tiles) in every loop.
+SMALL_BLOCKS = jflash.BlockSizes(
+    block_q=16, block_k=32, block_q_dkv=32, block_k_dkv=16, block_q_dq=16,
+    block_k_dq=32)
+
+
+def random_inputs(seed: int, *, batch=2, q_len=64, kv_len=64, num_heads=2,
+                  num_kv_heads=None, head_dim=32, dtype="float32"):
+  """Fresh random q, k, v and an output cotangent (never zeros)."""
+  num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+  keys = jax.random.split(jax.random.key(seed), 4)
+  dtype = jnp.dtype(dtype)
+  q = jax.random.normal(keys[0], (batch, q_len, num_heads, head_dim), dtype)
+  k = jax.random.normal(keys[1], (batch, kv_len, num_kv_heads, head_dim),
+                        dtype)
+  v = jax.random.normal(keys[2], (batch, kv_len, num_kv_heads, head_dim),
+                        dtype)
+  dout = jax.random.normal(keys[3], q.shape, dtype)
+  return q, k, v, dout
+
+
+def value_and_grads(fn, q, k, v, dout):
+  """(out, dq, dk, dv) of fn through jax.vjp with the cotangent dout."""
+  out, vjp = jax.vjp(fn, q, k, v)
+  return (out, *vjp(dout.astype(out.dtype)))
+
+
+def jax_nn(q, k, v, dout, *, upcast: bool, **kwargs):
+  """jax.nn.dot_product_attention results; upcast=True: fp32 at HIGHEST."""
+  fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kwargs)
+  if not upcast:
+    try:
+      return jax.jit(value_and_grads, static_argnums=0)(fn, q, k, v, dout)
+    except ValueError as e:
+      # jax.nn's float16 backward asks for an F16_F16_F32 dot, which XLA:CPU
+      # rejects. There, the float16 baseline is jflash's own pure-JAX path
+      # (same fp32 logits and softmax as jax.nn's XLA path).
+      if "not supported by dot_general on CPU" not in str(e):
+        raise
+      fn = lambda q, k, v: jflash.flash_attention(
+          q, k, v, implementation="xla", **kwargs)
+      return jax.jit(value_and_grads, static_argnums=0)(fn, q, k, v, dout)
+  with jax.default_matmul_precision("highest"):
+    args = [x.astype(jnp.float32) for x in (q, k, v, dout)]
+    return jax.jit(value_and_grads, static_argnums=0)(fn, *args)
+
+
+def assert_close_to_jax_nn(test, results, q, k, v, dout, **jax_nn_kwargs):
+  """Checks (out, dq, dk, dv) against jax.nn under the tolerance table.
+
+  Args:
+    test: the test case (for its failure messages).
+    results: (out, dq, dk, dv) from jflash.
+    q, k, v, dout: the inputs the results came from.
+    **jax_nn_kwargs: arguments of jax.nn.dot_product_attention.
+  """
+  reference = jax_nn(q, k, v, dout, upcast=True, **jax_nn_kwargs)
+  low = jax_nn(q, k, v, dout, upcast=False, **jax_nn_kwargs)
+  dtype = jnp.dtype(q.dtype).name
+  for name, ours, lo, ref in zip(("out", "dq", "dk", "dv"), results, low,
+                                 reference):
+    chex.assert_shape(ours, ref.shape)
+    test.assertEqual(ours.dtype, q.dtype, msg=name)
+    chex.assert_tree_all_finite(ours)
+    ours, lo, ref = (np.asarray(x, np.float32) for x in (ours, lo, ref))
+    error = np.max(np.abs(ours - ref), initial=0.0)
+    low_error = np.max(np.abs(lo - ref), initial=0.0)
+    scale = max(1.0, float(np.max(np.abs(ref), initial=0.0)))
+    bound = (tolerances.FACTOR * low_error
+             + tolerances.FLOOR[dtype] * scale)
+    test.assertLessEqual(
+        error, bound,
+        msg=f"{name}: jflash error {error:.3g} > bound {bound:.3g} "
+            f"(jax.nn {dtype} error {low_error:.3g})")
