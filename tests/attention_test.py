@@ -53,7 +53,7 @@ class AttentionTest(parameterized.TestCase):
         self._check(q_len + kv_len, q_len=q_len, kv_len=kv_len, batch=1,
                     is_causal=is_causal, dtype="bfloat16")
 
-  @parameterized.parameters(32, 64, 80, 128, 256)
+  @parameterized.parameters(32, 64, 80, 96, 128, 192, 256)
   def test_head_dims(self, head_dim):
     self._check(head_dim, head_dim=head_dim, q_len=48, kv_len=40, batch=1,
                 is_causal=True, dtype="bfloat16")
