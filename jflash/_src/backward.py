@@ -64,10 +64,9 @@ def dkv_kernel(
 ):
   # q_ref, do_ref: [q_seq, group, head_dim_p]; lse_ref, delta_ref:
   # [group, q_seq]; k_ref, v_ref, dk_ref, dv_ref: [kv_seq, head_dim_p].
-  k_tile_index, batch_index = pl.program_id(0), pl.program_id(1)
+  k_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
-  q_len = plgpu.load(q_len_ref.at[batch_index])
-  kv_len = plgpu.load(kv_len_ref.at[batch_index])
+  q_len, kv_len = masks.load_lengths(q_len_ref, kv_len_ref)
   k_start = k_tile_index * block_k
   k = tiles.load_tile(k_ref, k_start, block_k, seq_len=kv_seq,
                       head_dim=head_dim)
@@ -120,10 +119,9 @@ def dq_kernel(
     *, mask: masks.MaskSpec, scale: float, block_q: int, block_k: int,
     head_dim: int,
 ):
-  q_tile_index, batch_index = pl.program_id(0), pl.program_id(1)
+  q_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
-  q_len = plgpu.load(q_len_ref.at[batch_index])
-  kv_len = plgpu.load(kv_len_ref.at[batch_index])
+  q_len, kv_len = masks.load_lengths(q_len_ref, kv_len_ref)
   q_start = q_tile_index * block_q
   rows = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
   q = tiles.load_tile(q_ref, q_start, block_q, seq_len=q_seq,

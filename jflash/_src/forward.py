@@ -56,10 +56,9 @@ def forward_kernel(
     *, mask: masks.MaskSpec, scale: float, block_q: int, block_k: int,
     head_dim: int,
 ):
-  q_tile_index, batch_index = pl.program_id(0), pl.program_id(1)
+  q_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
-  q_len = plgpu.load(q_len_ref.at[batch_index])
-  kv_len = plgpu.load(kv_len_ref.at[batch_index])
+  q_len, kv_len = masks.load_lengths(q_len_ref, kv_len_ref)
   q_start = q_tile_index * block_q
   rows = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
 

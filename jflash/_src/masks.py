@@ -20,6 +20,8 @@ import dataclasses
 
 import jax
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 
@@ -28,6 +30,13 @@ class MaskSpec:
   """Static part of the mask (the dynamic part is the per-batch lengths)."""
 
   is_causal: bool
+
+
+def load_lengths(q_len_ref, kv_len_ref):
+  """(q_len, kv_len) of this program's batch element (grid axis 1)."""
+  batch_index = pl.program_id(1)
+  return (plgpu.load(q_len_ref.at[batch_index]),
+          plgpu.load(kv_len_ref.at[batch_index]))
 
 
 def _cdiv(a, b: int):
