@@ -1,0 +1,176 @@
+"""The `attention_fn` that plugs jflash into Flax's attention modules.
+
+Flax's modules call `attention_fn(query, key, value, **keywords)`. nnx always
+passes `mask, dropout_rng, dropout_rate, broadcast_dropout, deterministic,
+dtype, precision, module, is_causal`; linen passes only the keywords that
+appear in the function's signature, so every keyword is named explicitly
+here (a `**kwargs` function would silently lose linen's `mask`).
+
+This module talks to the public `jflash.flash_attention` only; it never
+imports kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from jflash._src import api
+from jflash._src.block_sizes import BlockSizes
+
+
+def write_cache_step(cache, new, index):
+  """Decode cache update: writes new[b] into cache[b] at position index[b].
+
+  Args:
+    cache: [batch..., max_length, heads, head_dim].
+    new: [batch..., 1, heads, head_dim], one step's keys or values.
+    index: int32 [batch...], each batch element's next free position.
+  """
+  batch_dims = cache.ndim - 3
+  flat = lambda x: x.reshape((-1, *x.shape[batch_dims:]))
+  write = jax.vmap(
+      lambda c, x, i: lax.dynamic_update_slice(c, x.astype(c.dtype),
+                                               (i, 0, 0)))
+  return write(flat(cache), flat(new), index.reshape(-1)).reshape(cache.shape)
+
+
+def _flatten_batch(x, num_batch_dims: int):
+  """[batch..., rest] -> [prod(batch), rest] (or unbatched when none)."""
+  if num_batch_dims == 1:
+    return x
+  rest = x.shape[num_batch_dims:]
+  if num_batch_dims == 0:
+    return x[None]
+  return x.reshape((math.prod(x.shape[:num_batch_dims]), *rest))
+
+
+def flax_attention(
+    query, key, value, *, mask=None, bias=None, is_causal=False,
+    dropout_rate=0.0, deterministic=True, module=None, dtype=None,
+    query_seq_lengths=None, key_value_seq_lengths=None,
+    implementation=None, block_sizes=None, interpret=False,
+):
+  """jflash attention for Flax layouts: [batch..., seq, heads, head_dim].
+
+  Any number of leading batch dimensions (including none); the lengths, if
+  given, have shape [batch...]. Raises NotImplementedError for what the
+  kernels cannot do (yet), never silently ignores an option that changes the
+  result.
+  """
+  if module is not None:
+    raise NotImplementedError(
+        "jflash attention cannot sow attention weights (sow_weights=True): "
+        "flash attention never forms the [q_len, kv_len] weight matrix.")
+  if bias is not None:
+    raise NotImplementedError(
+        "jflash attention does not support `bias` yet; pass bias=None.")
+  if mask is not None:
+    raise NotImplementedError(
+        "jflash attention does not support a dense `mask` yet. Use "
+        "is_causal=True for causal masks, and query_seq_lengths / "
+        "key_value_seq_lengths (jflash's Flax modules take them as call "
+        "arguments) for padding masks.")
+  if dropout_rate > 0.0 and not deterministic:
+    raise NotImplementedError(
+        f"jflash attention does not support attention dropout yet "
+        f"(dropout_rate={dropout_rate}, deterministic={deterministic}); use "
+        "dropout_rate=0.0 or deterministic=True.")
+  if dtype is not None:
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+  else:
+    common = jnp.result_type(query, key, value)
+    query, key, value = (jnp.asarray(x, common) for x in (query, key, value))
+
+  num_batch_dims = query.ndim - 3
+  if num_batch_dims < 0 or key.ndim != query.ndim or value.ndim != query.ndim:
+    raise ValueError(
+        "query, key and value must be [batch..., seq_len, num_heads, "
+        f"head_dim] with the same batch dims; got query.shape={query.shape}, "
+        f"key.shape={key.shape}, value.shape={value.shape}.")
+  if query.shape[:num_batch_dims] != key.shape[:num_batch_dims]:
+    raise ValueError(
+        f"query and key must have the same batch dims; got "
+        f"query.shape={query.shape}, key.shape={key.shape}.")
+  batch_shape = query.shape[:num_batch_dims]
+  lengths = {}
+  for name, value_ in (("query_seq_lengths", query_seq_lengths),
+                       ("key_value_seq_lengths", key_value_seq_lengths)):
+    if value_ is None:
+      continue
+    value_ = jnp.asarray(value_)
+    if value_.shape != batch_shape:
+      raise ValueError(f"{name} must have the batch shape {batch_shape}; "
+                       f"got {name}.shape={value_.shape}.")
+    lengths[name] = value_.reshape(-1)
+
+  out = api.flash_attention(
+      _flatten_batch(query, num_batch_dims),
+      _flatten_batch(key, num_batch_dims),
+      _flatten_batch(value, num_batch_dims),
+      is_causal=is_causal, implementation=implementation,
+      block_sizes=block_sizes, interpret=interpret, **lengths)
+  return out.reshape(query.shape)
+
+
+def make_attention_fn(
+    *,
+    implementation: str | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> Callable[..., jax.Array]:
+  """Returns an `attention_fn` for Flax's attention modules.
+
+  Usage::
+
+      layer = nnx.MultiHeadAttention(..., attention_fn=jflash.nnx.attention_fn())
+      layer = nn.MultiHeadDotProductAttention(
+          ..., attention_fn=jflash.linen.attention_fn())
+
+  Args:
+    implementation: as in `jflash.flash_attention`.
+    block_sizes: as in `jflash.flash_attention`.
+    interpret: as in `jflash.flash_attention`.
+
+  Returns:
+    A function with Flax's `dot_product_attention` signature. `precision` is
+    accepted and ignored (the kernels use fp32 IEEE dots for float32 inputs
+    and fp32 accumulation otherwise); `force_fp32_for_softmax` is always true
+    in jflash. `mask`, `bias`, active dropout, sowing weights (`module`) and
+    custom einsums raise NotImplementedError.
+  """
+
+  def attention_fn(
+      query: jax.Array,
+      key: jax.Array,
+      value: jax.Array,
+      bias: jax.Array | None = None,
+      mask: jax.Array | None = None,
+      broadcast_dropout: bool = True,
+      dropout_rng: jax.Array | None = None,
+      dropout_rate: float = 0.0,
+      deterministic: bool = False,
+      dtype: Any = None,
+      precision: Any = None,
+      module: Any = None,
+      is_causal: bool = False,
+      force_fp32_for_softmax: bool = False,
+      qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
+      attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
+  ) -> jax.Array:
+    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
+    if (qk_attn_weights_einsum is not None
+        or attn_weights_value_einsum is not None):
+      raise NotImplementedError(
+          "jflash attention cannot use custom attention-weight einsums.")
+    return flax_attention(
+        query, key, value, mask=mask, bias=bias, is_causal=is_causal,
+        dropout_rate=dropout_rate, deterministic=deterministic, module=module,
+        dtype=dtype, implementation=implementation, block_sizes=block_sizes,
+        interpret=interpret)
+
+  return attention_fn

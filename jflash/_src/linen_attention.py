@@ -1,0 +1,166 @@
+"""`FlashMultiHeadDotProductAttention`: linen's module on jflash kernels."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from flax import linen as nn
+from flax.linen.module import merge_param
+import jax
+import jax.numpy as jnp
+
+from jflash._src import flax_adapter
+from jflash._src.block_sizes import BlockSizes
+
+
+class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+  """`nn.MultiHeadDotProductAttention` whose attention runs on jflash.
+
+  Same fields and the same parameter tree (`query`, `key`, `value`, `out`,
+  and `query_ln` / `key_ln` with `normalize_qk`) as the stock module, so
+  variables move between the two unchanged; plus jflash's `implementation`,
+  `block_sizes` and `interpret`.
+
+  Differences from the stock module:
+  - `__call__` also takes `is_causal` and `query_seq_lengths` /
+    `key_value_seq_lengths` (integer [batch...]); a dense `mask`,
+    `sow_weights=True` and active dropout raise NotImplementedError.
+  - With `decode=True` the cache keeps one position per batch element
+    (`cache_index` has shape [batch...]); each step of element b writes at
+    `cache_index[b]` and attends to its first `cache_index[b] + 1` positions.
+    As in the stock module, `init` with a full-length input creates the cache.
+  - `attention_fn` is not used (it must stay the default).
+  """
+
+  implementation: str | None = None
+  block_sizes: BlockSizes | None = None
+  interpret: bool = False
+
+  @nn.compact
+  def __call__(
+      self,
+      inputs_q: jax.Array,
+      inputs_k: jax.Array | None = None,
+      inputs_v: jax.Array | None = None,
+      *,
+      inputs_kv: jax.Array | None = None,
+      mask: jax.Array | None = None,
+      deterministic: bool | None = None,
+      dropout_rng: jax.Array | None = None,
+      sow_weights: bool = False,
+      is_causal: bool = False,
+      query_seq_lengths: jax.Array | None = None,
+      key_value_seq_lengths: jax.Array | None = None,
+  ) -> jax.Array:
+    """Applies multi-head attention; arguments as the stock module's.
+
+    Args:
+      inputs_q: [batch..., q_len, features].
+      inputs_k: [batch..., kv_len, features]; default inputs_q.
+      inputs_v: [batch..., kv_len, features]; default inputs_k.
+      inputs_kv: deprecated in Flax; sets both inputs_k and inputs_v.
+      mask: not supported yet (NotImplementedError).
+      deterministic: disables dropout; must be True when dropout_rate > 0.
+      dropout_rng: unused (no dropout).
+      sow_weights: must be False.
+      is_causal: top-left causal mask (ignored in decode steps).
+      query_seq_lengths: integer [batch...]: rows past it output 0.
+      key_value_seq_lengths: integer [batch...]: keys past it are masked.
+
+    Returns:
+      [batch..., q_len, out_features or features].
+    """
+    del dropout_rng
+    if self.attention_fn is not nn.dot_product_attention:
+      raise ValueError(
+          "FlashMultiHeadDotProductAttention always uses jflash attention; "
+          "leave attention_fn at its default (to plug jflash into the stock "
+          "module, pass attention_fn=jflash.linen.attention_fn()).")
+    if sow_weights:
+      raise NotImplementedError(
+          "FlashMultiHeadDotProductAttention cannot sow attention weights: "
+          "flash attention never forms the attention matrix.")
+    if inputs_kv is not None:
+      if inputs_k is not None or inputs_v is not None:
+        raise ValueError("If `inputs_kv` is given, `inputs_k` and `inputs_v` "
+                         "must be None.")
+      inputs_k = inputs_v = inputs_kv
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError("`inputs_k` cannot be None if `inputs_v` is not "
+                         "None.")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+
+    features = self.out_features or inputs_q.shape[-1]
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    if qkv_features % self.num_heads:
+      raise ValueError(f"qkv_features ({qkv_features}) must be divisible by "
+                       f"num_heads ({self.num_heads}).")
+    head_dim = qkv_features // self.num_heads
+    dense = functools.partial(
+        nn.DenseGeneral, axis=-1, dtype=self.dtype,
+        param_dtype=self.param_dtype, features=(self.num_heads, head_dim),
+        kernel_init=self.kernel_init, bias_init=self.bias_init,
+        use_bias=self.use_bias, precision=self.precision,
+        dot_general=self.qkv_dot_general,
+        dot_general_cls=self.qkv_dot_general_cls)
+    query = dense(name="query")(inputs_q)
+    key = dense(name="key")(inputs_k)
+    value = dense(name="value")(inputs_v)
+    if self.normalize_qk:
+      layer_norm = functools.partial(nn.LayerNorm, use_bias=False,
+                                     dtype=self.dtype,
+                                     param_dtype=self.param_dtype)
+      query = layer_norm(name="query_ln")(query)
+      key = layer_norm(name="key_ln")(key)
+
+    if self.decode:
+      initialized = self.has_variable("cache", "cached_key")
+      cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape,
+                                 key.dtype)
+      cached_value = self.variable("cache", "cached_value", jnp.zeros,
+                                   value.shape, value.dtype)
+      cache_index = self.variable(
+          "cache", "cache_index",
+          lambda: jnp.zeros(key.shape[:-3], jnp.int32))
+      if initialized:
+        if key_value_seq_lengths is not None:
+          raise ValueError("key_value_seq_lengths cannot be given in decode "
+                           "steps: the cache's cache_index sets them.")
+        *batch_dims, _, num_heads, head_dim_cached = cached_key.value.shape
+        expected = (*batch_dims, 1, num_heads, head_dim_cached)
+        if key.shape != expected:
+          raise ValueError(f"Autoregressive cache shape error: a decode step "
+                           f"takes one token, expected key shape {expected}, "
+                           f"got {key.shape}.")
+        index = cache_index.value
+        cached_key.value = flax_adapter.write_cache_step(cached_key.value, key, index)
+        cached_value.value = flax_adapter.write_cache_step(cached_value.value, value, index)
+        cache_index.value = index + 1
+        key, value = cached_key.value, cached_value.value
+        key_value_seq_lengths = index + 1
+        is_causal = False
+
+    if self.dropout_rate > 0.0:
+      deterministic = merge_param("deterministic", self.deterministic,
+                                  deterministic)
+    else:
+      deterministic = True
+    x = flax_adapter.flax_attention(
+        query, key, value, mask=mask, is_causal=is_causal,
+        dropout_rate=self.dropout_rate, deterministic=deterministic,
+        dtype=self.dtype, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        implementation=self.implementation, block_sizes=self.block_sizes,
+        interpret=self.interpret)
+    return nn.DenseGeneral(
+        features=features, axis=(-2, -1),
+        kernel_init=self.out_kernel_init or self.kernel_init,
+        bias_init=self.out_bias_init or self.bias_init,
+        use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, precision=self.precision,
+        dot_general=self.out_dot_general,
+        dot_general_cls=self.out_dot_general_cls, name="out")(x)

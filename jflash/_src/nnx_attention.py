@@ -1,0 +1,218 @@
+"""`FlashMultiHeadAttention`: flax.nnx.MultiHeadAttention on jflash kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from jflash._src import flax_adapter
+from jflash._src.block_sizes import BlockSizes
+
+
+class FlashMultiHeadAttention(nnx.MultiHeadAttention):
+  """`nnx.MultiHeadAttention` whose attention runs on jflash's kernels.
+
+  The constructor takes every argument of `flax.nnx.MultiHeadAttention`
+  (num_heads, in_features, qkv_features, out_features, num_kv_heads, dtype,
+  param_dtype, initializers, use_bias, normalize_qk, decode, rngs, ...) and
+  creates exactly the same parameters, so a state moves between the two
+  unchanged; plus jflash's `implementation`, `block_sizes` and `interpret`.
+
+  Differences from the stock module:
+  - `__call__` also takes `query_seq_lengths` / `key_value_seq_lengths`
+    (integer [batch...]) for padding, the kernels' native form of a padding
+    mask. A dense `mask`, `sow_weights=True`, active attention dropout and
+    `input_positions` raise NotImplementedError.
+  - The decode cache keeps one position per batch element: `cache_index` has
+    shape [batch...] (the stock module keeps one scalar). Each decode step
+    writes the new key/value of element b at `cache_index[b]` and attends to
+    its first `cache_index[b] + 1` cached positions. Steps past the cache's
+    max_length overwrite its last slot (as the stock module does).
+  - Rows with no visible key output 0 (see `jflash.flash_attention`).
+  """
+
+  def __init__(
+      self,
+      num_heads: int,
+      in_features: int,
+      qkv_features: int | None = None,
+      out_features: int | None = None,
+      num_kv_heads: int | None = None,
+      in_kv_features: int | None = None,
+      *,
+      implementation: str | None = None,
+      block_sizes: BlockSizes | None = None,
+      interpret: bool = False,
+      **kwargs: Any,
+  ):
+    if "attention_fn" in kwargs:
+      raise ValueError(
+          "FlashMultiHeadAttention always uses jflash attention; to plug "
+          "jflash into a stock module use "
+          "nnx.MultiHeadAttention(..., attention_fn=jflash.nnx.attention_fn())"
+          ".")
+    super().__init__(
+        num_heads, in_features, qkv_features, out_features, num_kv_heads,
+        in_kv_features,
+        attention_fn=flax_adapter.make_attention_fn(
+            implementation=implementation, block_sizes=block_sizes,
+            interpret=interpret),
+        **kwargs)
+    self.implementation = implementation
+    self.block_sizes = block_sizes
+    self.interpret = interpret
+
+  def __call__(
+      self,
+      inputs_q: jax.Array,
+      inputs_k: jax.Array | None = None,
+      inputs_v: jax.Array | None = None,
+      *,
+      mask: jax.Array | None = None,
+      deterministic: bool | None = None,
+      rngs: Any = None,
+      sow_weights: bool = False,
+      decode: bool | None = None,
+      is_causal: bool = False,
+      out_sharding: Any = None,
+      qkv_sharding: Any = None,
+      input_positions: jax.Array | None = None,
+      query_seq_lengths: jax.Array | None = None,
+      key_value_seq_lengths: jax.Array | None = None,
+  ) -> jax.Array:
+    """Applies multi-head attention; arguments as nnx.MultiHeadAttention.
+
+    Args:
+      inputs_q: [batch..., q_len, in_features].
+      inputs_k: [batch..., kv_len, in_kv_features]; default inputs_q.
+      inputs_v: [batch..., kv_len, in_kv_features]; default inputs_k.
+      mask: not supported yet (NotImplementedError); use is_causal and the
+        lengths.
+      deterministic: disables dropout; required (here or in the constructor)
+        when dropout_rate > 0, and must then be True.
+      rngs: unused (no dropout); accepted for signature parity.
+      sow_weights: must be False.
+      decode: one autoregressive step through the cache (see class doc);
+        defaults to the constructor's `decode`.
+      is_causal: top-left causal mask (ignored in decode steps, whose mask is
+        the cache occupancy).
+      out_sharding: passed to the output projection.
+      qkv_sharding: passed to the q/k/v projections.
+      input_positions: not supported (NotImplementedError).
+      query_seq_lengths: integer [batch...]: rows past it output 0.
+      key_value_seq_lengths: integer [batch...]: keys past it are masked.
+
+    Returns:
+      [batch..., q_len, out_features].
+    """
+    del rngs  # No dropout in the kernels yet; active dropout raises below.
+    if sow_weights:
+      raise NotImplementedError(
+          "FlashMultiHeadAttention cannot sow attention weights: flash "
+          "attention never forms the attention matrix.")
+    if input_positions is not None:
+      raise NotImplementedError(
+          "FlashMultiHeadAttention does not take input_positions (RoPE); "
+          "apply rotary embeddings to the inputs before the call.")
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError("`inputs_k` cannot be None if `inputs_v` is not "
+                         "None; pass the same array to both, or only "
+                         "`inputs_k`.")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+    if inputs_q.shape[-1] != self.in_features:
+      raise ValueError(f"Incompatible input dimension: got inputs_q.shape="
+                       f"{inputs_q.shape}, but in_features="
+                       f"{self.in_features}.")
+
+    query = self.query(inputs_q, out_sharding=qkv_sharding)
+    key = self.key(inputs_k, out_sharding=qkv_sharding)
+    value = self.value(inputs_v, out_sharding=qkv_sharding)
+    if self.normalize_qk:
+      query = self.query_ln(query)
+      key = self.key_ln(key)
+
+    decode = self.decode if decode is None else decode
+    if decode is None:
+      raise ValueError("No `decode` argument was given to "
+                       "FlashMultiHeadAttention, neither in the call nor in "
+                       "the constructor.")
+    if decode:
+      if key_value_seq_lengths is not None:
+        raise ValueError("key_value_seq_lengths cannot be given in decode "
+                         "mode: the cache's cache_index sets them.")
+      key, value, key_value_seq_lengths = self._append_to_cache(key, value)
+      is_causal = False
+
+    deterministic = self._resolve_deterministic(deterministic)
+    x = flax_adapter.flax_attention(
+        query, key, value, mask=mask, is_causal=is_causal,
+        dropout_rate=self.dropout_rate, deterministic=deterministic,
+        dtype=self.dtype, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        implementation=self.implementation, block_sizes=self.block_sizes,
+        interpret=self.interpret)
+    return self.out(x, out_sharding=out_sharding)
+
+  def _resolve_deterministic(self, deterministic: bool | None) -> bool:
+    if self.dropout_rate == 0.0:
+      return True
+    deterministic = (self.deterministic if deterministic is None
+                     else deterministic)
+    if deterministic is None:
+      raise ValueError("No `deterministic` argument was given to "
+                       "FlashMultiHeadAttention (needed with dropout_rate > "
+                       "0), neither in the call nor in the constructor.")
+    return deterministic
+
+  def _append_to_cache(self, key, value):
+    """Writes one step's key/value; returns the caches and their lengths."""
+    if self.cached_key is None or self.cache_index is None:
+      raise ValueError("Autoregressive cache not initialized: call "
+                       "`init_cache` first.")
+    *batch_dims, _, num_kv_heads, head_dim = self.cached_key.shape
+    expected = (*batch_dims, 1, num_kv_heads, head_dim)
+    if key.shape != expected:
+      raise ValueError(f"Autoregressive cache shape error: a decode step "
+                       f"takes one token, expected key shape {expected}, got "
+                       f"{key.shape}.")
+    index = self.cache_index[...]
+    self.cached_key[...] = flax_adapter.write_cache_step(self.cached_key[...], key, index)
+    self.cached_value[...] = flax_adapter.write_cache_step(self.cached_value[...], value, index)
+    self.cache_index[...] = index + 1
+    return self.cached_key[...], self.cached_value[...], index + 1
+
+  def init_cache(self, input_shape, dtype: Any = jnp.float32):
+    """Creates an empty decode cache.
+
+    Args:
+      input_shape: [batch..., max_length, in_features], the shape of the
+        longest input the cache will hold.
+      dtype: dtype of the cached keys and values.
+    """
+    *batch_dims, max_length, _ = input_shape
+    cache_shape = (*batch_dims, max_length, self.num_kv_heads, self.head_dim)
+    self.cached_key = nnx.Cache(jnp.zeros(cache_shape, dtype))
+    self.cached_value = nnx.Cache(jnp.zeros(cache_shape, dtype))
+    self.cache_index = nnx.Cache(jnp.zeros(tuple(batch_dims), jnp.int32))
+
+  def set_view(self, deterministic=None, decode=None, batch_size=None,
+               max_length=None):
+    """Used by `nnx.view`; creates a per-element cache when decode is set."""
+    if deterministic is not None:
+      self.deterministic = deterministic
+    if decode is not None:
+      self.decode = decode
+      if decode and self.cached_key is None:
+        if batch_size is None or max_length is None:
+          raise TypeError("'batch_size' and 'max_length' must be provided "
+                          "when initializing the cache.")
+        if isinstance(batch_size, int):
+          batch_size = (batch_size,)
+        self.init_cache((*batch_size, max_length, self.in_features),
+                        self.dtype or jnp.float32)
