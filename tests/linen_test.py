@@ -1,0 +1,130 @@
+"""jflash.linen against flax.linen.MultiHeadDotProductAttention."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+from flax import linen as nn
+import jax
+import jax.numpy as jnp
+
+import jflash.linen
+from tests import test_util
+
+
+def _inputs(seed, batch=2, length=24, features=32):
+  return jax.random.normal(jax.random.key(seed), (batch, length, features))
+
+
+class LinenTest(parameterized.TestCase):
+  INTERPRET = test_util.INTERPRET
+
+  def _ours(self, **kwargs):
+    return jflash.linen.FlashMultiHeadDotProductAttention(
+        interpret=self.INTERPRET, **kwargs)
+
+  def _assert_same(self, call_stock, call_ours, variables, tol=2e-5):
+    """Outputs and parameter gradients agree for the same variables."""
+    call_stock, call_ours = jax.jit(call_stock), jax.jit(call_ours)
+    chex.assert_trees_all_close(call_ours(variables), call_stock(variables),
+                                rtol=tol, atol=tol)
+    loss = lambda call: lambda v: jnp.sum(jnp.sin(call(v)))
+    chex.assert_trees_all_close(jax.jit(jax.grad(loss(call_ours)))(variables),
+                                jax.grad(loss(call_stock))(variables),
+                                rtol=tol, atol=tol)
+
+  @parameterized.named_parameters(
+      ("self_attention", {}, False),
+      ("causal_normalize_qk", dict(normalize_qk=True), True),
+      ("cross_attention", dict(out_features=8, qkv_features=64), False),
+  )
+  def test_parity_with_stock_module(self, kwargs, is_causal):
+    kwargs = dict(num_heads=4) | kwargs
+    stock, ours = nn.MultiHeadDotProductAttention(**kwargs), self._ours(
+        **kwargs)
+    x = _inputs(1)
+    context = _inputs(2, length=17) if "out_features" in kwargs else x
+    variables = stock.init(jax.random.key(0), x, context)
+    # Same parameter tree: the stock module's variables load unchanged.
+    self.assertEqual(jax.tree.structure(variables),
+                     jax.tree.structure(ours.init(jax.random.key(1), x,
+                                                  context)))
+    mask = nn.make_causal_mask(x[..., 0]) if is_causal else None
+    self._assert_same(
+        lambda v: stock.apply(v, x, context, mask=mask),
+        lambda v: ours.apply(v, x, context, is_causal=is_causal), variables)
+
+  def test_attention_fn_in_stock_module(self):
+    stock = nn.MultiHeadDotProductAttention(num_heads=4)
+    plugged = nn.MultiHeadDotProductAttention(
+        num_heads=4, attention_fn=jflash.linen.attention_fn(
+            interpret=self.INTERPRET))
+    x = _inputs(3)
+    variables = stock.init(jax.random.key(0), x)
+    self._assert_same(lambda v: stock.apply(v, x),
+                      lambda v: plugged.apply(v, x), variables)
+    # linen filters keywords by signature: the mask must reach jflash (and
+    # be refused), never be silently dropped.
+    with self.assertRaisesRegex(NotImplementedError, "mask"):
+      plugged.apply(variables, x, mask=nn.make_causal_mask(x[..., 0]))
+
+  def test_decode_matches_full_causal_attention(self):
+    stock = nn.MultiHeadDotProductAttention(num_heads=4)
+    ours = self._ours(num_heads=4, decode=True)
+    x = _inputs(4, length=10)
+    params = stock.init(jax.random.key(0), x)["params"]
+    cache = ours.init(jax.random.key(0), x)["cache"]
+    step = jax.jit(lambda params, cache, token: ours.apply(
+        {"params": params, "cache": cache}, token, mutable=["cache"]))
+    steps = []
+    for t in range(10):
+      out, updates = step(params, cache, x[:, t:t + 1])
+      cache = updates["cache"]
+      steps.append(out)
+    expected = stock.apply({"params": params}, x,
+                           mask=nn.make_causal_mask(x[..., 0]))
+    chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), expected,
+                                rtol=2e-5, atol=2e-5)
+    chex.assert_trees_all_equal(cache["cache_index"], jnp.array([10, 10]))
+
+  def test_jit_and_vmap_of_apply(self):
+    ours = self._ours(num_heads=4)
+    xs = jnp.stack([_inputs(5), _inputs(6)])
+    variables = ours.init(jax.random.key(0), xs[0])
+    apply = lambda v, x: ours.apply(v, x, is_causal=True)
+    expected = jnp.stack([apply(variables, x) for x in xs])
+    chex.assert_trees_all_close(jax.jit(apply)(variables, xs[0]), expected[0],
+                                rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(
+        jax.jit(jax.vmap(apply, in_axes=(None, 0)))(variables, xs), expected,
+        rtol=1e-5, atol=1e-5)
+
+  def test_mixed_precision(self):
+    kwargs = dict(num_heads=4, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    stock, ours = nn.MultiHeadDotProductAttention(**kwargs), self._ours(
+        **kwargs)
+    x = _inputs(7)
+    variables = stock.init(jax.random.key(0), x)
+    out = ours.apply(variables, x)
+    self.assertEqual(out.dtype, jnp.bfloat16)
+    chex.assert_trees_all_close(out.astype(jnp.float32),
+                                stock.apply(variables, x).astype(jnp.float32),
+                                rtol=0.05, atol=0.05)
+
+  def test_unsupported_options_raise(self):
+    ours = self._ours(num_heads=4)
+    x = _inputs(8)
+    variables = ours.init(jax.random.key(0), x)
+    with self.assertRaisesRegex(NotImplementedError, "sow"):
+      ours.apply(variables, x, sow_weights=True)
+    with self.assertRaisesRegex(NotImplementedError, "mask"):
+      ours.apply(variables, x, mask=jnp.ones((2, 1, 24, 24), bool))
+    with self.assertRaisesRegex(ValueError, "attention_fn"):
+      self._ours(num_heads=4, attention_fn=jax.nn.dot_product_attention
+                 ).init(jax.random.key(0), x)
+    dropout = self._ours(num_heads=4, dropout_rate=0.1)
+    with self.assertRaisesRegex(NotImplementedError, "dropout"):
+      dropout.apply(variables, x, deterministic=False)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,189 @@
+"""jflash.nnx against flax.nnx.MultiHeadAttention, by copying parameters."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+import jflash.nnx
+from tests import test_util
+
+FEATURES = 32
+
+
+def _inputs(seed, batch=2, length=24, features=FEATURES, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), (batch, length, features),
+                           dtype)
+
+
+class NnxTest(parameterized.TestCase):
+  INTERPRET = test_util.INTERPRET
+
+  def _pair(self, **kwargs):
+    """A stock module and a jflash module holding the same parameters."""
+    kwargs = dict(num_heads=4, in_features=FEATURES, decode=False) | kwargs
+    stock = nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))
+    ours = jflash.nnx.FlashMultiHeadAttention(
+        **kwargs, interpret=self.INTERPRET, rngs=nnx.Rngs(1))
+    self.assertEqual(
+        jax.tree.structure(nnx.state(stock, nnx.Param)),
+        jax.tree.structure(nnx.state(ours, nnx.Param)))
+    nnx.update(ours, nnx.state(stock, nnx.Param))
+    return stock, ours
+
+  def _assert_same_outputs_and_grads(self, stock, ours, call_stock, call_ours,
+                                     tol=2e-5):
+    out_stock, out_ours = call_stock(stock), nnx.jit(call_ours)(ours)
+    chex.assert_trees_all_close(out_ours, out_stock, rtol=tol, atol=tol)
+    cotangent = jax.random.normal(jax.random.key(9), out_stock.shape)
+    loss = lambda call: lambda m: jnp.sum(call(m) * cotangent)
+    grads_stock = nnx.grad(loss(call_stock))(stock)
+    grads_ours = nnx.jit(nnx.grad(loss(call_ours)))(ours)
+    chex.assert_trees_all_close(nnx.state(grads_ours), nnx.state(grads_stock),
+                                rtol=tol, atol=tol)
+
+  @parameterized.named_parameters(
+      ("mha", {}, False, False),
+      ("mha_causal", {}, True, False),
+      ("gqa_causal", dict(num_kv_heads=2), True, False),
+      ("mqa", dict(num_kv_heads=1, qkv_features=64), False, False),
+      ("normalize_qk_no_bias", dict(normalize_qk=True, use_bias=False), True,
+       False),
+      ("cross_attention", dict(in_kv_features=16, out_features=8), False,
+       True),
+  )
+  def test_parity_with_stock_module(self, kwargs, is_causal, cross):
+    stock, ours = self._pair(**kwargs)
+    x = _inputs(1)
+    context = _inputs(2, length=17, features=16) if cross else None
+    call = lambda m: m(x, context, is_causal=is_causal)
+    self._assert_same_outputs_and_grads(stock, ours, call, call)
+
+  def test_padding_lengths_match_stock_padding_mask(self):
+    stock, ours = self._pair(num_kv_heads=2)
+    x = _inputs(3)
+    q_lens, kv_lens = jnp.array([24, 9]), jnp.array([20, 9])
+    positions = jnp.arange(24)
+    q_valid = positions[None] < q_lens[:, None]
+    kv_valid = positions[None] < kv_lens[:, None]
+    mask = nnx.make_attention_mask(q_valid, kv_valid)
+    # Rows past q_len: jflash outputs 0, the stock module averages all
+    # values; compare the valid rows (and the gradients they induce).
+    keep = q_valid[..., None].astype(jnp.float32)
+    self._assert_same_outputs_and_grads(
+        stock, ours,
+        lambda m: m(x, mask=mask) * keep,
+        lambda m: m(x, query_seq_lengths=q_lens,
+                    key_value_seq_lengths=kv_lens) * keep)
+
+  def test_attention_fn_in_stock_module(self):
+    stock = nnx.MultiHeadAttention(num_heads=4, in_features=FEATURES,
+                                   num_kv_heads=2, decode=False,
+                                   rngs=nnx.Rngs(0))
+    plugged = nnx.MultiHeadAttention(
+        num_heads=4, in_features=FEATURES, num_kv_heads=2, decode=False,
+        attention_fn=jflash.nnx.attention_fn(interpret=self.INTERPRET),
+        rngs=nnx.Rngs(0))
+    call = lambda m: m(_inputs(4), is_causal=True)
+    self._assert_same_outputs_and_grads(stock, plugged, call, call)
+
+  @parameterized.named_parameters(("mha", 4), ("gqa", 2))
+  def test_decode_matches_full_causal_attention(self, num_kv_heads):
+    _, ours = self._pair(num_kv_heads=num_kv_heads)
+    x = _inputs(5, length=12)
+    full = nnx.jit(lambda m, x: m(x, is_causal=True))(ours, x)
+    ours.init_cache(x.shape)
+    step = nnx.jit(lambda m, token: m(token, decode=True))
+    steps = [step(ours, x[:, t:t + 1]) for t in range(12)]
+    chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), full,
+                                rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(ours.cache_index[...], [12, 12])
+
+  def test_decode_cache_has_a_length_per_batch_element(self):
+    _, ours = self._pair()
+    x = _inputs(6, length=8)
+    ours.init_cache((2, 8, FEATURES))
+    step = nnx.jit(lambda m, token: m(token, decode=True))
+    for t in range(5):
+      step(ours, x[:, t:t + 1])
+    # Element 1 rolls back to 3 tokens (e.g. a rejected draft); element 0
+    # keeps its 5. The next token must see 6 and 4 positions respectively.
+    ours.cache_index[...] = jnp.array([5, 3], jnp.int32)
+    token = _inputs(7, length=1)
+    step = step(ours, token)
+    for b, length in ((0, 5), (1, 3)):
+      sequence = jnp.concatenate([x[b:b + 1, :length], token[b:b + 1]], 1)
+      expected = ours(sequence, is_causal=True, decode=False)[:, -1]
+      chex.assert_trees_all_close(step[b:b + 1, 0], expected, rtol=2e-5,
+                                  atol=2e-5)
+
+  def test_transforms(self):
+    _, ours = self._pair(num_kv_heads=2)
+    xs = jnp.stack([_inputs(8), _inputs(9)])  # [2, batch, length, features]
+    call = lambda m, x: m(x, is_causal=True)
+    expected = jnp.stack([call(ours, x) for x in xs])
+    jitted = nnx.jit(call)
+    chex.assert_trees_all_close(jitted(ours, xs[0]), expected[0], rtol=1e-5,
+                                atol=1e-5)
+    vmapped = nnx.vmap(call, in_axes=(None, 0))(ours, xs)
+    chex.assert_trees_all_close(vmapped, expected, rtol=1e-5, atol=1e-5)
+    loss = lambda m, x: jnp.sum(call(m, x) ** 2)
+    grads = nnx.grad(loss)(ours, xs[0])
+    remat_grads = nnx.grad(nnx.remat(loss))(ours, xs[0])
+    chex.assert_trees_all_close(nnx.state(remat_grads), nnx.state(grads),
+                                rtol=1e-5, atol=1e-5)
+    chex.assert_tree_all_finite(nnx.state(grads))
+
+  def test_mixed_precision(self):
+    stock, ours = self._pair(dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    x = _inputs(10)
+    out = ours(x, is_causal=True)
+    self.assertEqual(out.dtype, jnp.bfloat16)
+    self.assertEqual(ours.query.kernel.dtype, jnp.float32)
+    chex.assert_trees_all_close(out.astype(jnp.float32),
+                                stock(x, is_causal=True).astype(jnp.float32),
+                                rtol=0.05, atol=0.05)
+
+  def test_unsupported_options_raise(self):
+    _, ours = self._pair()
+    x = _inputs(11)
+    with self.assertRaisesRegex(NotImplementedError, "sow"):
+      ours(x, sow_weights=True)
+    with self.assertRaisesRegex(NotImplementedError, "mask"):
+      ours(x, mask=jnp.ones((2, 1, 24, 24), bool))
+    with self.assertRaisesRegex(NotImplementedError, "input_positions"):
+      ours(x, input_positions=jnp.arange(24)[None])
+    with self.assertRaisesRegex(ValueError, "init_cache"):
+      ours(x[:, :1], decode=True)
+    ours.init_cache(x.shape)
+    with self.assertRaisesRegex(ValueError, "one token"):
+      ours(x[:, :2], decode=True)
+    with self.assertRaisesRegex(ValueError, "attention_fn"):
+      jflash.nnx.FlashMultiHeadAttention(
+          num_heads=4, in_features=FEATURES, attention_fn=lambda *a: a,
+          rngs=nnx.Rngs(0))
+    dropout = jflash.nnx.FlashMultiHeadAttention(
+        num_heads=4, in_features=FEATURES, dropout_rate=0.1, decode=False,
+        interpret=self.INTERPRET, rngs=nnx.Rngs(0))
+    with self.assertRaisesRegex(NotImplementedError, "dropout"):
+      dropout(x, deterministic=False)
+    chex.assert_shape(dropout(x, deterministic=True), x.shape)
+
+  def test_stock_module_with_attention_fn_does_not_drop_the_mask(self):
+    plugged = nnx.MultiHeadAttention(
+        num_heads=4, in_features=FEATURES, decode=False,
+        attention_fn=jflash.nnx.attention_fn(interpret=self.INTERPRET),
+        rngs=nnx.Rngs(0))
+    x = _inputs(12)
+    with self.assertRaisesRegex(NotImplementedError, "mask"):
+      plugged(x, mask=nnx.make_causal_mask(x[..., 0]))
+    with self.assertRaisesRegex(NotImplementedError, "sow"):
+      plugged(x, sow_weights=True)
+
+
+if __name__ == "__main__":
+  absltest.main()
