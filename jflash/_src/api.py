@@ -121,8 +121,11 @@ def flash_attention(
       block_sizes = default_block_sizes(
           q_len=q_seq, kv_len=kv_seq, head_dim=head_dim, dtype=query.dtype,
           is_causal=bool(is_causal), device_kind=platform.device_kind())
+    has_lengths = (query_seq_lengths is not None
+                   or key_value_seq_lengths is not None)
     config = KernelConfig(scale=scale, is_causal=bool(is_causal),
-                          block_sizes=block_sizes, interpret=bool(interpret))
+                          block_sizes=block_sizes, interpret=bool(interpret),
+                          has_lengths=has_lengths)
     out = kernel_vjp.flash_attention_kernels(query, key, value, q_lens,
                                              kv_lens, config)
   else:

@@ -66,7 +66,8 @@ def dkv_kernel(
   # [group, q_seq]; k_ref, v_ref, dk_ref, dv_ref: [kv_seq, head_dim_p].
   k_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
-  q_len, kv_len = masks.load_lengths(q_len_ref, kv_len_ref)
+  q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
+                                     kv_seq)
   k_start = k_tile_index * block_k
   k = tiles.load_tile(k_ref, k_start, block_k, seq_len=kv_seq,
                       head_dim=head_dim)
@@ -121,7 +122,8 @@ def dq_kernel(
 ):
   q_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
-  q_len, kv_len = masks.load_lengths(q_len_ref, kv_len_ref)
+  q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
+                                     kv_seq)
   q_start = q_tile_index * block_q
   rows = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
   q = tiles.load_tile(q_ref, q_start, block_q, seq_len=q_seq,

@@ -39,10 +39,12 @@ class KernelConfig:
   is_causal: bool
   block_sizes: BlockSizes
   interpret: bool = False
+  has_lengths: bool = True
 
   @property
   def mask(self) -> masks.MaskSpec:
-    return masks.MaskSpec(is_causal=self.is_causal)
+    return masks.MaskSpec(is_causal=self.is_causal,
+                          has_lengths=self.has_lengths)
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -58,7 +60,8 @@ def forward_kernel(
 ):
   q_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
-  q_len, kv_len = masks.load_lengths(q_len_ref, kv_len_ref)
+  q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
+                                     kv_seq)
   q_start = q_tile_index * block_q
   rows = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
 

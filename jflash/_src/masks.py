@@ -27,20 +27,59 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
-  """Static part of the mask (the dynamic part is the per-batch lengths)."""
+  """Static part of the mask.
+
+  Attributes:
+    is_causal: top-left causal mask.
+    has_lengths: whether per-batch lengths were given. Without them the
+      lengths are the static array lengths, and every loop bound that does not
+      depend on the program id is a compile-time constant (Triton pipelines
+      constant-trip-count loops best).
+  """
 
   is_causal: bool
+  has_lengths: bool = True
 
 
-def load_lengths(q_len_ref, kv_len_ref):
-  """(q_len, kv_len) of this program's batch element (grid axis 1)."""
+def load_lengths(mask: MaskSpec, q_len_ref, kv_len_ref, q_seq: int,
+                 kv_seq: int):
+  """(q_len, kv_len) of this program's batch element (grid axis 1).
+
+  The array lengths `q_seq`, `kv_seq` as Python ints when the call has no
+  lengths, else traced int32 scalars read from the length arrays.
+  """
+  if not mask.has_lengths:
+    return q_seq, kv_seq
   batch_index = pl.program_id(1)
   return (plgpu.load(q_len_ref.at[batch_index]),
           plgpu.load(kv_len_ref.at[batch_index]))
 
 
+# Bound arithmetic that stays in Python while every operand is static.
+def _static(*xs) -> bool:
+  return all(isinstance(x, int) for x in xs)
+
+
 def _cdiv(a, b: int):
-  return lax.div(a + (b - 1), b)
+  return -(-a // b) if _static(a) else lax.div(a + (b - 1), b)
+
+
+def _div(a, b: int):
+  return a // b if _static(a) else lax.div(a, b)
+
+
+def _minimum(a, b):
+  return min(a, b) if _static(a, b) else jnp.minimum(a, b)
+
+
+def _maximum(a, b):
+  return max(a, b) if _static(a, b) else jnp.maximum(a, b)
+
+
+def _select(cond, a, b):
+  if isinstance(cond, bool):
+    return a if cond else b
+  return jnp.where(cond, a, b)
 
 
 def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len):
@@ -91,19 +130,21 @@ def key_blocks_for_query_block(
     q_start: first query position of the tile (traced int32).
     block_q: query tile size.
     block_k: key tile size.
-    q_len: query length of this batch element.
-    kv_len: key/value length of this batch element.
+    q_len: query length of this batch element (int when static).
+    kv_len: key/value length of this batch element (int when static).
   """
   visible_end = kv_len  # One past the last column any row of the tile sees.
   full_end = kv_len  # One past the last column every row of the tile sees.
   if mask.is_causal:
-    visible_end = jnp.minimum(visible_end, q_start + block_q)
-    full_end = jnp.minimum(full_end, q_start + 1)
+    visible_end = _minimum(visible_end, q_start + block_q)
+    full_end = _minimum(full_end, q_start + 1)
   stop = _cdiv(visible_end, block_k)
-  # A query tile entirely past q_len has nothing to compute.
-  stop = jnp.where(q_start < q_len, stop, 0)
-  split = jnp.minimum(lax.div(full_end, block_k), stop)
-  return BlockRange(start=jnp.int32(0), split=split, stop=stop)
+  if mask.has_lengths:
+    # A query tile entirely past q_len has nothing to compute. (Without
+    # lengths the grid holds no such tile.)
+    stop = _select(q_start < q_len, stop, 0)
+  split = _minimum(_div(full_end, block_k), stop)
+  return BlockRange(start=0, split=split, stop=stop)
 
 
 def query_blocks_for_key_block(
@@ -120,22 +161,24 @@ def query_blocks_for_key_block(
     k_start: first key position of the tile (traced int32).
     block_k: key tile size.
     block_q: query tile size.
-    q_len: query length of this batch element.
-    kv_len: key/value length of this batch element.
+    q_len: query length of this batch element (int when static).
+    kv_len: key/value length of this batch element (int when static).
   """
   stop = _cdiv(q_len, block_q)
   if mask.is_causal:
     # Row r sees column c only if r >= c: rows before k_start see nothing.
-    start = jnp.minimum(lax.div(k_start, block_q), stop)
+    start = _minimum(_div(k_start, block_q), stop)
     # Rows r >= k_start + block_k - 1 see every column of the tile.
     split = _cdiv(k_start + block_k - 1, block_q)
   else:
-    start = jnp.int32(0)
-    split = start
+    start = split = 0
   # A key tile that crosses kv_len needs the element-wise mask everywhere; one
-  # entirely past kv_len is visited by no query tile.
-  split = jnp.where(k_start + block_k <= kv_len, split, stop)
-  split = jnp.clip(split, start, stop)
-  start = jnp.where(k_start < kv_len, start, stop)
-  split = jnp.maximum(split, start)
+  # entirely past kv_len is visited by no query tile. Without lengths, only
+  # the last tile can cross kv_len = kv_seq, and only if it is partial.
+  if mask.has_lengths or kv_len % block_k:
+    split = _select(k_start + block_k <= kv_len, split, stop)
+  split = _minimum(_maximum(split, start), stop)
+  if mask.has_lengths:
+    start = _select(k_start < kv_len, start, stop)
+    split = _maximum(split, start)
   return BlockRange(start=start, split=split, stop=stop)
