@@ -9,6 +9,9 @@ v), each under `jax.jit`:
   xla:    `jax.nn.dot_product_attention(..., implementation="xla")`; it
           materializes the [N, N] scores, so it is skipped above
           --skip-xla-above.
+  mha:    JAX's deprecated Pallas-Triton reference,
+          `jax.experimental.pallas.ops.gpu.attention.mha` with its default
+          tiles and `sm_scale=1/sqrt(D)` (needs N to be a multiple of 128).
 
 Usage, from the repository root:
 
@@ -39,12 +42,13 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("triton", "cudnn", "xla")
+IMPLS = ("triton", "cudnn", "xla", "mha")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -103,7 +107,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help="timed repeats; the median is reported")
   parser.add_argument("--iters", type=int, default=10,
                       help="back-to-back calls per timed repeat")
-  parser.add_argument("--impls", type=parse_impls, default=list(IMPLS),
+  parser.add_argument("--impls", type=parse_impls,
+                      default=["triton", "cudnn", "xla"],
                       help="comma-separated subset of " + ",".join(IMPLS))
   parser.add_argument("--skip-xla-above", type=int, default=8192,
                       metavar="N",
@@ -137,6 +142,16 @@ def attention_fn(impl: str, is_causal: bool) -> Callable[..., jax.Array]:
       return jflash.flash_attention(
           q, k, v, is_causal=is_causal, implementation="triton",
           interpret=interpret)
+    return f
+
+  if impl == "mha":
+    with warnings.catch_warnings():  # The module warns that it is deprecated.
+      warnings.simplefilter("ignore", DeprecationWarning)
+      from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=g-import-not-at-top
+
+    def f(q, k, v):
+      return attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5,
+                           causal=is_causal)
     return f
 
   def f(q, k, v):
