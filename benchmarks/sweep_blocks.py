@@ -38,6 +38,8 @@ def main(argv):
                       default=bench.parse_shape("1,8192,16,128"))
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--passes", choices=("fwd", "bwd", "both"),
+                      default="both", help="which tile sweep to run")
   args = parser.parse_args(argv[1:])
   shape = args.shape
   dims = (shape.batch, shape.seq_len, shape.num_heads, shape.head_dim)
@@ -59,13 +61,16 @@ def main(argv):
     ref = {p: tflops(cudnn, is_causal, p) for p in bench.PASSES}
     print(f"causal={is_causal} cuDNN fwd {ref['fwd']:.0f} fwd+bwd "
           f"{ref['fwd+bwd']:.0f}; default {base}", flush=True)
-    configs = [("fwd", dataclasses.replace(
-        base, block_q=bq, block_k=bk, num_warps=w, num_stages=s))
-               for bq, bk, w, s in FORWARD]
-    configs += [("fwd+bwd", dataclasses.replace(
-        base, block_q_dkv=a, block_k_dkv=b, block_q_dq=c, block_k_dq=d,
-        num_warps_bwd=w, num_stages_bwd=s))
-                for a, b, c, d, w, s in BACKWARD]
+    configs = []
+    if args.passes in ("fwd", "both"):
+      configs += [("fwd", dataclasses.replace(
+          base, block_q=bq, block_k=bk, num_warps=w, num_stages=s))
+                  for bq, bk, w, s in FORWARD]
+    if args.passes in ("bwd", "both"):
+      configs += [("fwd+bwd", dataclasses.replace(
+          base, block_q_dkv=a, block_k_dkv=b, block_q_dq=c, block_k_dq=d,
+          num_warps_bwd=w, num_stages_bwd=s))
+                  for a, b, c, d, w, s in BACKWARD]
     for pass_, sizes in configs:
       attn = lambda q, k, v, sizes=sizes: jflash.flash_attention(
           q, k, v, is_causal=is_causal, block_sizes=sizes)

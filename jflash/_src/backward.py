@@ -20,6 +20,7 @@ dV = p^T.dO.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -66,8 +67,12 @@ def dkv_kernel(
   # [group, q_seq]; k_ref, v_ref, dk_ref, dv_ref: [kv_seq, head_dim_p].
   k_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
-  q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
-                                     kv_seq)
+  # Lengths are always read from memory here, never static: see
+  # masks.query_blocks_for_key_block for the lowering failure static bounds
+  # caused in this kernel.
+  q_len, kv_len = masks.load_lengths(
+      dataclasses.replace(mask, has_lengths=True), q_len_ref, kv_len_ref,
+      q_seq, kv_seq)
   k_start = k_tile_index * block_k
   k = tiles.load_tile(k_ref, k_start, block_k, seq_len=kv_seq,
                       head_dim=head_dim)

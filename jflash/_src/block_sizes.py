@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
 # Triton's matrix instructions need every tile dimension to be at least 16.
 MIN_BLOCK = 16
 MAX_BLOCK = 256
@@ -111,13 +113,24 @@ def default_block_sizes(
   Returns:
     A `BlockSizes` with every tile no larger than needed for the lengths.
   """
-  del dtype, is_causal, device_kind  # Not yet distinguished; see NOTES.
-  if head_dim <= 64:
+  del is_causal, device_kind  # Not yet distinguished; see NOTES.
+  if jnp.dtype(dtype).itemsize >= 4:
+    # float32 tiles take twice the shared memory and registers: the 16-bit
+    # tiles below (128x128, 3 stages at D=128) do not fit.
+    if head_dim <= 128:
+      fwd = dict(block_q=64, block_k=64, num_warps=4, num_stages=2)
+      bwd = dict(block_q_dkv=32, block_k_dkv=32, block_q_dq=32, block_k_dq=32,
+                 num_warps_bwd=4, num_stages_bwd=2)
+    else:
+      fwd = dict(block_q=32, block_k=32, num_warps=4, num_stages=1)
+      bwd = dict(block_q_dkv=16, block_k_dkv=16, block_q_dq=16, block_k_dq=16,
+                 num_warps_bwd=4, num_stages_bwd=1)
+  elif head_dim <= 64:
     fwd = dict(block_q=128, block_k=64, num_warps=4, num_stages=3)
     bwd = dict(block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
                num_warps_bwd=4, num_stages_bwd=2)
   elif head_dim <= 128:
-    fwd = dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
+    fwd = dict(block_q=128, block_k=128, num_warps=8, num_stages=3)
     bwd = dict(block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
                num_warps_bwd=4, num_stages_bwd=2)
   else:

@@ -116,6 +116,21 @@ class BlockRange:
   stop: jax.Array
 
 
+def _block_range(start, split, stop) -> BlockRange:
+  """Bounds that are all Python ints, or all int32 scalars.
+
+  A loop with constant bounds becomes a constant-trip-count loop; one with a
+  traced bound must have all its bounds traced: on GPU, a `fori_loop` whose
+  lower bound is a Python int and upper bound traced is not matched as a
+  for-loop by the Pallas Triton lowering (it lost pipelining in the forward,
+  and failed to lower inside the dK/dV kernel's loop over GQA heads).
+  """
+  if _static(start, split, stop):
+    return BlockRange(start=start, split=split, stop=stop)
+  start, split, stop = (jnp.asarray(x, jnp.int32) for x in (start, split, stop))
+  return BlockRange(start=start, split=split, stop=stop)
+
+
 def key_blocks_for_query_block(
     mask: MaskSpec, q_start, block_q: int, block_k: int, q_len, kv_len
 ) -> BlockRange:
@@ -144,7 +159,7 @@ def key_blocks_for_query_block(
     # lengths the grid holds no such tile.)
     stop = _select(q_start < q_len, stop, 0)
   split = _minimum(_div(full_end, block_k), stop)
-  return BlockRange(start=0, split=split, stop=stop)
+  return _block_range(0, split, stop)
 
 
 def query_blocks_for_key_block(
@@ -164,21 +179,23 @@ def query_blocks_for_key_block(
     q_len: query length of this batch element (int when static).
     kv_len: key/value length of this batch element (int when static).
   """
+  # Always traced bounds here (the dK/dV kernel reads the lengths from
+  # memory): with static or literal bounds, this loop, nested in the loop over
+  # GQA heads, hit a Pallas Triton lowering failure on JAX 0.11.2 ('i1' vs
+  # 'i32' in the while-loop body). See WORKSPACE_NOTES.md.
   stop = _cdiv(q_len, block_q)
   if mask.is_causal:
     # Row r sees column c only if r >= c: rows before k_start see nothing.
-    start = _minimum(_div(k_start, block_q), stop)
+    start = jnp.minimum(lax.div(k_start, block_q), stop)
     # Rows r >= k_start + block_k - 1 see every column of the tile.
     split = _cdiv(k_start + block_k - 1, block_q)
   else:
-    start = split = 0
+    start = jnp.int32(0)
+    split = start
   # A key tile that crosses kv_len needs the element-wise mask everywhere; one
-  # entirely past kv_len is visited by no query tile. Without lengths, only
-  # the last tile can cross kv_len = kv_seq, and only if it is partial.
-  if mask.has_lengths or kv_len % block_k:
-    split = _select(k_start + block_k <= kv_len, split, stop)
-  split = _minimum(_maximum(split, start), stop)
-  if mask.has_lengths:
-    start = _select(k_start < kv_len, start, stop)
-    split = _maximum(split, start)
-  return BlockRange(start=start, split=split, stop=stop)
+  # entirely past kv_len is visited by no query tile.
+  split = jnp.where(k_start + block_k <= kv_len, split, stop)
+  split = jnp.clip(split, start, stop)
+  start = jnp.where(k_start < kv_len, start, stop)
+  split = jnp.maximum(split, start)
+  return _block_range(start, split, stop)
