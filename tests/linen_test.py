@@ -18,6 +18,12 @@ def _inputs(seed, batch=2, length=24, features=32):
 class LinenTest(parameterized.TestCase):
   INTERPRET = test_util.INTERPRET
 
+  def setUp(self):
+    super().setUp()
+    # The stock modules' float32 matmuls default to TF32 on GPUs (~1e-3
+    # relative); jflash's float32 kernels are IEEE fp32. Compare both exact.
+    self.enter_context(jax.default_matmul_precision("highest"))
+
   def _ours(self, **kwargs):
     return jflash.linen.FlashMultiHeadDotProductAttention(
         interpret=self.INTERPRET, **kwargs)

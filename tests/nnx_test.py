@@ -23,6 +23,12 @@ def _inputs(seed, batch=2, length=24, features=FEATURES, dtype=jnp.float32):
 class NnxTest(parameterized.TestCase):
   INTERPRET = test_util.INTERPRET
 
+  def setUp(self):
+    super().setUp()
+    # The stock modules' float32 matmuls default to TF32 on GPUs (~1e-3
+    # relative); jflash's float32 kernels are IEEE fp32. Compare both exact.
+    self.enter_context(jax.default_matmul_precision("highest"))
+
   def _pair(self, **kwargs):
     """A stock module and a jflash module holding the same parameters."""
     kwargs = dict(num_heads=4, in_features=FEATURES, decode=False) | kwargs
