@@ -63,7 +63,8 @@ def main():
       continue
     try:
       ours, low = _errors(*case)
-      flag = "OK " if all(o <= 3 * l + 1e-3 for o, l in zip(ours, low)) else "BAD"
+      within = all(o <= 3 * l + 1e-3 for o, l in zip(ours, low))
+      flag = "OK " if within else "BAD"
       print(flag, case, "jflash", ["%.2e" % e for e in ours],
             "jax.nn-lowp", ["%.2e" % e for e in low], flush=True)
     except Exception:  # pylint: disable=broad-except

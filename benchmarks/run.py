@@ -147,7 +147,8 @@ def attention_fn(impl: str, is_causal: bool) -> Callable[..., jax.Array]:
   if impl == "mha":
     with warnings.catch_warnings():  # The module warns that it is deprecated.
       warnings.simplefilter("ignore", DeprecationWarning)
-      from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=g-import-not-at-top
+      # pylint: disable-next=g-import-not-at-top
+      from jax.experimental.pallas.ops.gpu import attention
 
     def f(q, k, v):
       return attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5,

@@ -23,20 +23,37 @@ from jflash._src import api
 from jflash._src.block_sizes import BlockSizes
 
 
-def write_cache_step(cache, new, index):
-  """Decode cache update: writes new[b] into cache[b] at position index[b].
+def append_to_cache(cached_key, cached_value, index, key, value):
+  """One decode step: writes each batch element's new key/value at its index.
 
   Args:
-    cache: [batch..., max_length, heads, head_dim].
-    new: [batch..., 1, heads, head_dim], one step's keys or values.
+    cached_key: [batch..., max_length, kv_heads, head_dim].
+    cached_value: same shape as cached_key.
     index: int32 [batch...], each batch element's next free position.
+    key: [batch..., 1, kv_heads, head_dim], this step's keys.
+    value: same shape as key.
+
+  Returns:
+    (cached_key, cached_value, lengths): the updated caches and int32
+    [batch...] lengths (index + 1) that each element's query attends to.
+
+  Raises:
+    ValueError: if the step is not one token of the cache's shape.
   """
-  batch_dims = cache.ndim - 3
-  flat = lambda x: x.reshape((-1, *x.shape[batch_dims:]))
+  *batch_dims, _, num_kv_heads, head_dim = cached_key.shape
+  expected = (*batch_dims, 1, num_kv_heads, head_dim)
+  if key.shape != expected or value.shape != expected:
+    raise ValueError(f"Autoregressive cache shape error: a decode step takes "
+                     f"one token, expected key and value shape {expected}, "
+                     f"got {key.shape} and {value.shape}.")
+  flat = lambda x: x.reshape((-1, *x.shape[len(batch_dims):]))
   write = jax.vmap(
       lambda c, x, i: lax.dynamic_update_slice(c, x.astype(c.dtype),
                                                (i, 0, 0)))
-  return write(flat(cache), flat(new), index.reshape(-1)).reshape(cache.shape)
+  cached_key, cached_value = (
+      write(flat(c), flat(x), index.reshape(-1)).reshape(c.shape)
+      for c, x in ((cached_key, key), (cached_value, value)))
+  return cached_key, cached_value, index + 1
 
 
 def _flatten_batch(x, num_batch_dims: int):
@@ -127,7 +144,8 @@ def make_attention_fn(
 
   Usage::
 
-      layer = nnx.MultiHeadAttention(..., attention_fn=jflash.nnx.attention_fn())
+      layer = nnx.MultiHeadAttention(
+          ..., attention_fn=jflash.nnx.attention_fn())
       layer = nn.MultiHeadDotProductAttention(
           ..., attention_fn=jflash.linen.attention_fn())
 

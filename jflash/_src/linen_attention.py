@@ -130,18 +130,11 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         if key_value_seq_lengths is not None:
           raise ValueError("key_value_seq_lengths cannot be given in decode "
                            "steps: the cache's cache_index sets them.")
-        *batch_dims, _, num_heads, head_dim_cached = cached_key.value.shape
-        expected = (*batch_dims, 1, num_heads, head_dim_cached)
-        if key.shape != expected:
-          raise ValueError(f"Autoregressive cache shape error: a decode step "
-                           f"takes one token, expected key shape {expected}, "
-                           f"got {key.shape}.")
-        index = cache_index.value
-        cached_key.value = flax_adapter.write_cache_step(cached_key.value, key, index)
-        cached_value.value = flax_adapter.write_cache_step(cached_value.value, value, index)
-        cache_index.value = index + 1
-        key, value = cached_key.value, cached_value.value
-        key_value_seq_lengths = index + 1
+        key, value, key_value_seq_lengths = flax_adapter.append_to_cache(
+            cached_key.value, cached_value.value, cache_index.value, key,
+            value)
+        cached_key.value, cached_value.value = key, value
+        cache_index.value = key_value_seq_lengths
         is_causal = False
 
     if self.dropout_rate > 0.0:

@@ -175,17 +175,13 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     if self.cached_key is None or self.cache_index is None:
       raise ValueError("Autoregressive cache not initialized: call "
                        "`init_cache` first.")
-    *batch_dims, _, num_kv_heads, head_dim = self.cached_key.shape
-    expected = (*batch_dims, 1, num_kv_heads, head_dim)
-    if key.shape != expected:
-      raise ValueError(f"Autoregressive cache shape error: a decode step "
-                       f"takes one token, expected key shape {expected}, got "
-                       f"{key.shape}.")
-    index = self.cache_index[...]
-    self.cached_key[...] = flax_adapter.write_cache_step(self.cached_key[...], key, index)
-    self.cached_value[...] = flax_adapter.write_cache_step(self.cached_value[...], value, index)
-    self.cache_index[...] = index + 1
-    return self.cached_key[...], self.cached_value[...], index + 1
+    cached_key, cached_value, lengths = flax_adapter.append_to_cache(
+        self.cached_key[...], self.cached_value[...], self.cache_index[...],
+        key, value)
+    self.cached_key[...] = cached_key
+    self.cached_value[...] = cached_value
+    self.cache_index[...] = lengths
+    return cached_key, cached_value, lengths
 
   def init_cache(self, input_shape, dtype: Any = jnp.float32):
     """Creates an empty decode cache.
