@@ -6,10 +6,12 @@
 
 from jflash._src import deprecation as _deprecation
 from jflash._src.api import flash_attention
+from jflash._src.autotune import autotune
 from jflash._src.block_sizes import BlockSizes
 from jflash._src.block_sizes import default_block_sizes
 
 _deprecation.silence_triton_deprecation()
 
 __version__ = "0.1.0"
-__all__ = ["BlockSizes", "default_block_sizes", "flash_attention"]
+__all__ = [
+    "BlockSizes", "autotune", "default_block_sizes", "flash_attention"]

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jflash._src import autotune
 from jflash._src import kernel_vjp
 from jflash._src import platform
 from jflash._src import reference
@@ -72,8 +73,9 @@ def flash_attention(
       any machine with `interpret=True`); "xla" for the pure-JAX path (it
       materializes the attention matrix); None picks "triton" on a CUDA GPU
       (or when `interpret=True`) and "xla" elsewhere.
-    block_sizes: kernel tiles and launch parameters; default chosen per
-      device and shape by `jflash.default_block_sizes`.
+    block_sizes: kernel tiles and launch parameters; default: the tiles
+      `jflash.autotune` cached for this device and shape, else
+      `jflash.default_block_sizes`.
     interpret: run the very same kernels through the Pallas interpreter (on
       any backend, slowly); used by the CPU test suite.
 
@@ -118,9 +120,13 @@ def flash_attention(
     out = jnp.zeros(query.shape, query.dtype)
   elif use_kernels:
     if block_sizes is None:
-      block_sizes = default_block_sizes(
-          q_len=q_seq, kv_len=kv_seq, head_dim=head_dim, dtype=query.dtype,
-          is_causal=bool(is_causal), device_kind=platform.device_kind())
+      shape = dict(q_len=q_seq, kv_len=kv_seq, head_dim=head_dim,
+                   dtype=query.dtype, is_causal=bool(is_causal),
+                   device_kind=platform.device_kind())
+      block_sizes = autotune.tuned_block_sizes(
+          num_heads=num_heads, num_kv_heads=key.shape[2], **shape)
+      if block_sizes is None:
+        block_sizes = default_block_sizes(**shape)
     has_lengths = (query_seq_lengths is not None
                    or key_value_seq_lengths is not None)
     config = KernelConfig(scale=scale, is_causal=bool(is_causal),

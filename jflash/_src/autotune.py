@@ -1,0 +1,253 @@
+"""Autotuning: search tile sizes for one shape, check them, cache the winner.
+
+`autotune` times candidate `BlockSizes` for one problem shape on the current
+device in two phases (forward tiles timed forward-only, then backward tiles
+timed as forward+backward with the chosen forward tiles), rejects every
+candidate that fails to compile or whose result disagrees with the reference,
+and stores the winner in a JSON file keyed by device kind and shape.
+`flash_attention` consults that file whenever it is called without
+`block_sizes`, so a shape tuned once stays tuned (see `tuned_block_sizes`).
+
+Cache file: `$JFLASH_AUTOTUNE_CACHE` if set (the value "off" disables the
+cache), else `~/.cache/jflash/autotune.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jflash._src import platform
+from jflash._src.block_sizes import BlockSizes
+from jflash._src.block_sizes import default_block_sizes
+
+CACHE_ENV_VAR = "JFLASH_AUTOTUNE_CACHE"
+_DEFAULT_CACHE = os.path.join("~", ".cache", "jflash", "autotune.json")
+
+# (block_q, block_k, num_warps, num_stages) of the forward kernel.
+FORWARD_CANDIDATES = (
+    (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+    (128, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2), (32, 32, 4, 1),
+)
+# (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, warps, stages).
+BACKWARD_CANDIDATES = (
+    (64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 2),
+    (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 2), (32, 32, 32, 32, 4, 2),
+    (16, 16, 16, 16, 4, 1),
+)
+
+# Largest relative error (max |x - ref| / max |ref|) a candidate may show
+# against the float32 reference, per input dtype. Loose enough for 16-bit
+# rounding, far below what a wrong tile loop produces (order 1).
+_MAX_RELATIVE_ERROR = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+def cache_path() -> str | None:
+  """The autotune cache file, or None when disabled."""
+  path = os.environ.get(CACHE_ENV_VAR, "").strip()
+  if path.lower() == "off":
+    return None
+  return os.path.expanduser(path or _DEFAULT_CACHE)
+
+
+def shape_key(*, q_len: int, kv_len: int, num_heads: int, num_kv_heads: int,
+              head_dim: int, dtype: Any, is_causal: bool,
+              device_kind: str) -> str:
+  """The cache key of one problem shape on one kind of device."""
+  return (f"{device_kind}|{jnp.dtype(dtype).name}|T={q_len}|S={kv_len}|"
+          f"N={num_heads}|K={num_kv_heads}|D={head_dim}|causal={is_causal}")
+
+
+_read_memo: dict[str, tuple[float, dict[str, Any]]] = {}
+
+
+def _read(path: str | None) -> dict[str, Any]:
+  """The cache file's entries (re-read only when the file changed)."""
+  if path is None or not os.path.exists(path):
+    return {}
+  mtime = os.path.getmtime(path)
+  memo = _read_memo.get(path)
+  if memo is None or memo[0] != mtime:
+    with open(path) as f:
+      memo = (mtime, json.load(f))
+    _read_memo[path] = memo
+  return memo[1]
+
+
+def tuned_block_sizes(path: str | None = None, **shape: Any
+                      ) -> BlockSizes | None:
+  """The cached winner for a shape (arguments as `shape_key`), if any."""
+  path = cache_path() if path is None else path
+  entry = _read(path).get(shape_key(**shape))
+  if entry is None:
+    return None
+  return BlockSizes(**entry["block_sizes"])
+
+
+def _store(path: str, key: str, entry: dict[str, Any]) -> None:
+  entries = _read(path)
+  entries[key] = entry
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  temporary = f"{path}.tmp{os.getpid()}"
+  with open(temporary, "w") as f:
+    json.dump(entries, f, indent=1, sort_keys=True)
+  os.replace(temporary, path)  # Atomic: readers never see a partial file.
+
+
+def _relative_error(values, references) -> float:
+  worst = 0.0
+  for x, ref in zip(values, references):
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    scale = max(float(np.max(np.abs(ref), initial=0.0)), 1e-6)
+    worst = max(worst, float(np.max(np.abs(x - ref), initial=0.0)) / scale)
+  return worst
+
+
+def _median_seconds(fn, args, repeats: int, iters: int) -> float:
+  jax.block_until_ready(fn(*args))  # Compile and warm up.
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / iters)
+  return statistics.median(times)
+
+
+def autotune(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    is_causal: bool = False,
+    forward_candidates: Sequence[tuple[int, int, int, int]] | None = None,
+    backward_candidates: Sequence[tuple[int, ...]] | None = None,
+    interpret: bool = False,
+    repeats: int = 5,
+    iters: int = 3,
+    path: str | None = None,
+    verbose: bool = False,
+) -> BlockSizes:
+  """Finds the fastest correct tiles for this shape and caches them.
+
+  Args:
+    query: [batch, q_len, num_heads, head_dim], the shape (and dtype) to
+      tune; its values are used for the timings and the checks, so pass
+      realistic random data, never zeros.
+    key: [batch, kv_len, num_kv_heads, head_dim].
+    value: same shape as key.
+    is_causal: tune the causal kernels.
+    forward_candidates: (block_q, block_k, num_warps, num_stages) tuples;
+      default `FORWARD_CANDIDATES`.
+    backward_candidates: (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq,
+      num_warps_bwd, num_stages_bwd) tuples; default `BACKWARD_CANDIDATES`.
+    interpret: run the kernels through the Pallas interpreter (for tests on
+      machines without a GPU; the timings then mean nothing).
+    repeats: timed repeats per candidate (the median counts).
+    iters: calls per timed repeat.
+    path: cache file; default `cache_path()`. None and caching disabled:
+      nothing is written.
+    verbose: print each candidate's time or the reason it was rejected.
+
+  Returns:
+    The winning `BlockSizes` (also written to the cache).
+
+  Raises:
+    ValueError: if the inputs are not 4-D, or if every candidate of a phase
+      is rejected.
+  """
+  # Imported here: api imports this module for the cache lookup.
+  from jflash._src import api  # pylint: disable=g-import-not-at-top
+
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  if query.ndim != 4 or key.ndim != 4 or key.shape != value.shape:
+    raise ValueError(
+        "autotune takes 4-D query [batch, q_len, heads, head_dim] and key/"
+        f"value of one shape; got query.shape={query.shape}, "
+        f"key.shape={key.shape}, value.shape={value.shape}.")
+  _, q_len, num_heads, head_dim = query.shape
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  shape = dict(q_len=q_len, kv_len=kv_len, num_heads=num_heads,
+               num_kv_heads=num_kv_heads, head_dim=head_dim,
+               dtype=query.dtype, is_causal=bool(is_causal),
+               device_kind=platform.device_kind())
+  base = default_block_sizes(
+      q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=query.dtype,
+      is_causal=bool(is_causal), device_kind=shape["device_kind"])
+  cotangent = jax.random.normal(jax.random.key(0), query.shape, query.dtype)
+  upcast = [x.astype(jnp.float32) for x in (query, key, value)]
+  with jax.default_matmul_precision("highest"):
+    ref_out, ref_vjp = jax.vjp(
+        lambda q, k, v: api.flash_attention(q, k, v, is_causal=is_causal,
+                                            implementation="xla"), *upcast)
+    references = (ref_out, *ref_vjp(cotangent.astype(jnp.float32)))
+  max_error = _MAX_RELATIVE_ERROR[jnp.dtype(query.dtype).name]
+
+  def attention(sizes):
+    return lambda q, k, v: api.flash_attention(
+        q, k, v, is_causal=is_causal, implementation="triton",
+        block_sizes=sizes, interpret=interpret)
+
+  def forward_step(sizes):
+    return jax.jit(lambda q, k, v: (attention(sizes)(q, k, v),))
+
+  def backward_step(sizes):
+    def value_and_grads(q, k, v):
+      out, vjp = jax.vjp(attention(sizes), q, k, v)
+      return (out, *vjp(cotangent))
+    return jax.jit(value_and_grads)
+
+  def best_of(candidates, make_step, num_checked):
+    results = []
+    for sizes in candidates:
+      try:
+        step = make_step(sizes)
+        error = _relative_error(step(query, key, value)[:num_checked],
+                                references[:num_checked])
+        if not error <= max_error:  # Also rejects NaN.
+          raise ValueError(f"relative error {error:.3g} > {max_error}")
+        seconds = _median_seconds(step, (query, key, value), repeats, iters)
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        if verbose:
+          print(f"jflash.autotune: rejected {sizes}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}")
+        continue
+      if verbose:
+        print(f"jflash.autotune: {seconds * 1e3:.3f} ms {sizes}")
+      results.append((seconds, sizes))
+    if not results:
+      raise ValueError("jflash.autotune: every candidate was rejected for "
+                       f"{shape_key(**shape)}; rerun with verbose=True.")
+    return min(results, key=lambda r: r[0])
+
+  forward = [
+      dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=w,
+                          num_stages=s)
+      for bq, bk, w, s in forward_candidates or FORWARD_CANDIDATES]
+  forward_seconds, best = best_of(forward, forward_step, 1)
+  backward = [
+      dataclasses.replace(best, block_q_dkv=a, block_k_dkv=b, block_q_dq=c,
+                          block_k_dq=d, num_warps_bwd=w, num_stages_bwd=s)
+      for a, b, c, d, w, s in backward_candidates or BACKWARD_CANDIDATES]
+  total_seconds, best = best_of(backward, backward_step, 4)
+
+  path = cache_path() if path is None else path
+  if path is not None:
+    _store(path, shape_key(**shape), {
+        "block_sizes": dataclasses.asdict(best),
+        "forward_ms": forward_seconds * 1e3,
+        "forward_backward_ms": total_seconds * 1e3,
+        "interpret": bool(interpret),
+        "jax_version": jax.__version__,
+    })
+  return best
