@@ -1,4 +1,4 @@
-"""Times jflash against cuDNN and XLA attention on one GPU, side by side.
+"""Times jflash against cuDNN, XLA and JAX's Pallas reference, side by side.
 
 All implementations run in one process on the same inputs, forward and
 forward+backward (`jax.grad` of `sum(out * cotangent)` with respect to q, k and
@@ -11,28 +11,56 @@ v), each under `jax.jit`:
           --skip-xla-above.
   mha:    JAX's deprecated Pallas-Triton reference,
           `jax.experimental.pallas.ops.gpu.attention.mha` with its default
-          tiles and `sm_scale=1/sqrt(D)` (needs N to be a multiple of 128).
+          tiles and `sm_scale=1/sqrt(D)` (needs N to be a multiple of 128 and
+          has no grouped-query attention, so it reports an error on GQA
+          shapes).
 
 Usage, from the repository root:
 
+  # The default "quick" preset: three shapes, bf16, triton/cudnn/xla.
   PYTHONPATH=. python3 benchmarks/run.py --json bench.json
-  PYTHONPATH=. python3 benchmarks/run.py --shapes 1,8192,16,128 --causal yes
+  # One shape (GQA: 32 query heads sharing 8 kv heads), two dtypes.
+  PYTHONPATH=. python3 benchmarks/run.py --shapes 2,4096,32,128,8 \\
+      --dtype bfloat16 float16 --causal yes
+  # The full sweep: N = 512 ... 32768 at 16384 tokens per batch, D = 64, 128,
+  # 256, causal and not, GQA shapes, bf16 and fp16, all four implementations.
+  PYTHONPATH=. python3 benchmarks/run.py --preset sweep \\
+      --json sweep.json --plot sweep.png
 
-Shapes are `B,N,H,D`: batch, sequence length (queries and keys), heads, head
-dimension. Per-call time is the median over --repeats of (time of --iters
-back-to-back calls) / --iters. TFLOP/s count 4*B*H*N^2*D for the forward pass,
-halved when causal, and 3.5x that for forward+backward (the backward pass is
-2.5x the forward). Errors of one implementation (e.g. cuDNN not supporting a
-shape) are printed in its row instead of stopping the run.
+Presets fill in --shapes, --dtype and --impls; any of the three given
+explicitly wins over the preset:
+
+  quick: 1,8192,16,128  4,2048,16,128  2,4096,16,64; bfloat16;
+         triton,cudnn,xla.
+  sweep: N in 512, 1024, ..., 32768 with B = max(1, 16384 // N), H = 16,
+         D in 64, 128, 256; plus GQA 32 query / 8 kv heads, D = 128 at
+         N = 2048 and 8192; bfloat16 and float16; triton,cudnn,xla,mha.
+
+Shapes are `B,N,H,D` or `B,N,H,D,K`: batch, sequence length (queries and
+keys), query heads, head dimension and kv heads (K divides H; default H).
+Per-call time is the median over --repeats of (time of --iters back-to-back
+calls) / --iters. TFLOP/s count 4*B*H*N^2*D (query heads H) for the forward
+pass, halved when causal, and 3.5x that for forward+backward (the backward
+pass is 2.5x the forward). `vs cuDNN` divides each row's TFLOP/s by cuDNN's
+for the same case; `vs mha` divides jflash's by the Pallas reference's.
+`mem MiB` is the compiled step's own footprint from XLA's memory analysis
+(arguments + outputs + temporaries - aliased buffers), per call rather than
+the process-wide peak (which the JSON keeps as `peak_mib`). Errors of one
+implementation (e.g. cuDNN not supporting a shape) are printed in its row
+instead of stopping the run. A progress bar over (shape, dtype, causal,
+implementation) cases goes to stderr; --plot draws TFLOP/s against N, one
+panel per (head dim, causal, pass).
 
 On a machine without a GPU the script exits unless --allow-cpu is given; then
-it runs whatever (tiny) shapes are passed, e.g. as a smoke test:
+it runs whatever (tiny) shapes are passed, with jflash in the Pallas
+interpreter, e.g. as a smoke test:
 
-  python3 benchmarks/run.py --allow-cpu --impls xla --shapes 1,128,2,32 \\
-      --repeats 2 --iters 2
+  PYTHONPATH=. python3 benchmarks/run.py --allow-cpu --impls xla,triton \\
+      --shapes 1,64,2,32 1,64,4,32,2 --repeats 1 --iters 1 --warmup 0
 """
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import importlib.metadata
@@ -47,36 +75,57 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import tqdm
 
 IMPLS = ("triton", "cudnn", "xla", "mha")
 PASSES = ("fwd", "fwd+bwd")
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-  """One benchmark shape: [batch, seq_len, num_heads, head_dim]."""
+  """One benchmark shape: [batch, seq_len, num_heads, head_dim], kv heads.
+
+  q and the cotangent are [batch, seq_len, num_heads, head_dim]; k and v are
+  [batch, seq_len, num_kv_heads, head_dim]. `num_kv_heads=None` means
+  `num_heads` (no grouped-query attention) and is replaced by it on creation.
+  """
 
   batch: int
   seq_len: int
   num_heads: int
   head_dim: int
+  num_kv_heads: int | None = None
+
+  def __post_init__(self):
+    if self.num_kv_heads is None:
+      object.__setattr__(self, "num_kv_heads", self.num_heads)
 
   def __str__(self) -> str:
-    return f"{self.batch},{self.seq_len},{self.num_heads},{self.head_dim}"
+    text = f"{self.batch},{self.seq_len},{self.num_heads},{self.head_dim}"
+    if self.num_kv_heads != self.num_heads:
+      text += f",{self.num_kv_heads}"
+    return text
 
 
 def parse_shape(text: str) -> Shape:
-  """Parses `B,N,H,D` into a `Shape`; argparse reports the ValueError."""
+  """Parses `B,N,H,D` or `B,N,H,D,K` into a `Shape`; argparse reports errors."""
   parts = text.split(",")
-  if len(parts) != 4:
-    raise argparse.ArgumentTypeError(f"expected B,N,H,D, got {text!r}")
+  if len(parts) not in (4, 5):
+    raise argparse.ArgumentTypeError(
+        f"expected B,N,H,D or B,N,H,D,K, got {text!r}")
   try:
     values = [int(p) for p in parts]
   except ValueError:
     raise argparse.ArgumentTypeError(f"expected integers, got {text!r}")
   if min(values) <= 0:
     raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
-  return Shape(*values)
+  shape = Shape(*values)
+  if shape.num_heads % shape.num_kv_heads:
+    raise argparse.ArgumentTypeError(
+        f"heads H={shape.num_heads} must be a multiple of kv heads "
+        f"K={shape.num_kv_heads}, got {text!r}")
+  return shape
 
 
 def parse_impls(text: str) -> list[str]:
@@ -88,19 +137,55 @@ def parse_impls(text: str) -> list[str]:
   return impls
 
 
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """Defaults for --shapes, --dtype and --impls."""
+
+  shapes: tuple[Shape, ...]
+  dtypes: tuple[str, ...]
+  impls: tuple[str, ...]
+
+
+SWEEP_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+SWEEP_TOKENS = 16384  # B * N of every sweep shape (B >= 1).
+
+
+def _sweep_shapes() -> tuple[Shape, ...]:
+  shapes = [Shape(max(1, SWEEP_TOKENS // n), n, 16, head_dim)
+            for head_dim in (64, 128, 256) for n in SWEEP_SEQ_LENS]
+  shapes += [Shape(max(1, SWEEP_TOKENS // n), n, 32, 128, 8)
+             for n in (2048, 8192)]
+  return tuple(shapes)
+
+
+PRESETS = {
+    "quick": Preset(
+        shapes=tuple(parse_shape(s) for s in
+                     ("1,8192,16,128", "4,2048,16,128", "2,4096,16,64")),
+        dtypes=("bfloat16",),
+        impls=("triton", "cudnn", "xla")),
+    "sweep": Preset(
+        shapes=_sweep_shapes(),
+        dtypes=("bfloat16", "float16"),
+        impls=IMPLS),
+}
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n", 1)[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument(
+      "--preset", choices=tuple(PRESETS), default="quick",
+      help="default shapes, dtypes and impls (see the module docstring)")
+  parser.add_argument(
       "--shapes", nargs="+", type=parse_shape,
-      default=[parse_shape(s) for s in
-               ("1,8192,16,128", "4,2048,16,128", "2,4096,16,64")],
-      help="shapes as B,N,H,D (batch, seq len, heads, head dim)")
+      help="shapes as B,N,H,D or B,N,H,D,K (batch, seq len, heads, head dim, "
+      "kv heads); default: the preset's")
   parser.add_argument("--causal", choices=("both", "yes", "no"),
                       default="both")
-  parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
-                      default="bfloat16")
+  parser.add_argument("--dtype", nargs="+", choices=DTYPES,
+                      help="one or more dtypes; default: the preset's")
   parser.add_argument("--warmup", type=int, default=3,
                       help="untimed calls after compilation")
   parser.add_argument("--repeats", type=int, default=5,
@@ -108,14 +193,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--iters", type=int, default=10,
                       help="back-to-back calls per timed repeat")
   parser.add_argument("--impls", type=parse_impls,
-                      default=["triton", "cudnn", "xla"],
-                      help="comma-separated subset of " + ",".join(IMPLS))
+                      help="comma-separated subset of " + ",".join(IMPLS)
+                      + "; default: the preset's")
   parser.add_argument("--skip-xla-above", type=int, default=8192,
                       metavar="N",
                       help="skip the xla implementation for seq len > N "
                       "(it materializes [N, N] scores)")
   parser.add_argument("--json", metavar="PATH",
                       help="also write all numbers to this JSON file")
+  parser.add_argument("--plot", metavar="PATH.png",
+                      help="also plot TFLOP/s against N into this PNG file")
+  parser.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                      default=True, help="progress bar on stderr")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--allow-cpu", action="store_true",
                       help="run without a GPU (smoke test; pass tiny shapes)")
@@ -125,6 +214,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       parser.error(f"--{name} must be >= 1")
   if args.warmup < 0:
     parser.error("--warmup must be >= 0")
+  preset = PRESETS[args.preset]
+  if args.shapes is None:
+    args.shapes = list(preset.shapes)
+  if args.dtype is None:
+    args.dtype = list(preset.dtypes)
+  if args.impls is None:
+    args.impls = list(preset.impls)
+  # Repeats would only time the same case twice and confuse the ratios.
+  args.dtype = list(dict.fromkeys(args.dtype))
+  args.impls = list(dict.fromkeys(args.impls))
   return args
 
 
@@ -151,6 +250,12 @@ def attention_fn(impl: str, is_causal: bool) -> Callable[..., jax.Array]:
       from jax.experimental.pallas.ops.gpu import attention
 
     def f(q, k, v):
+      # mha indexes k and v with the query head, so fewer kv heads would be
+      # read out of bounds rather than rejected: refuse them here.
+      if k.shape[2] != q.shape[2]:
+        raise NotImplementedError(
+            f"mha has no grouped-query attention: {q.shape[2]=} query heads, "
+            f"{k.shape[2]=} kv heads")
       return attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5,
                            causal=is_causal)
     return f
@@ -190,8 +295,32 @@ def time_step(step: Callable[..., Any], inputs: tuple[jax.Array, ...],
   return first, statistics.median(per_call)
 
 
+def step_memory_bytes(step: Callable[..., Any],
+                      inputs: tuple[jax.Array, ...]) -> int | None:
+  """Device memory one call of the jitted `step` needs, from XLA, if known.
+
+  Arguments + outputs + temporaries - buffers aliased between arguments and
+  outputs, from the compiled executable's memory analysis: the footprint of
+  this call alone, unlike the process-wide `peak_bytes_in_use`. Unused
+  arguments (the cotangent of the forward step) are pruned by `jax.jit` and
+  not counted. Lowering and compiling again hits JAX's cache after a call.
+  """
+  try:
+    stats = step.lower(*inputs).compile().memory_analysis()
+  except Exception:  # pylint: disable=broad-exception-caught
+    return None
+  if stats is None:
+    return None
+  return (stats.temp_size_in_bytes + stats.argument_size_in_bytes
+          + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+
 def flops(shape: Shape, is_causal: bool, pass_: str) -> float:
-  """FLOPs of one call: 4*B*H*N^2*D forward, /2 causal, x3.5 fwd+bwd."""
+  """FLOPs of one call: 4*B*H*N^2*D forward, /2 causal, x3.5 fwd+bwd.
+
+  H counts query heads: grouped-query attention does the same matmul work as
+  multi-head attention, it only reads fewer k and v heads.
+  """
   f = 4.0 * shape.batch * shape.num_heads * shape.seq_len**2 * shape.head_dim
   if is_causal:
     f *= 0.5
@@ -239,6 +368,20 @@ def git_commit() -> str | None:
   return commit + ("-dirty" if dirty else "")
 
 
+def random_inputs(key: jax.Array, shape: Shape,
+                  dtype: jnp.dtype) -> tuple[jax.Array, ...]:
+  """Random normal (q, k, v, cotangent); k and v have the kv heads.
+
+  Never zeros: zeros let the softmax and the matmuls take shortcuts nothing
+  in real use takes.
+  """
+  q_dims = (shape.batch, shape.seq_len, shape.num_heads, shape.head_dim)
+  kv_dims = (shape.batch, shape.seq_len, shape.num_kv_heads, shape.head_dim)
+  keys = jax.random.split(key, 4)
+  return tuple(jax.random.normal(k, dims, dtype) for k, dims in
+               zip(keys, (q_dims, kv_dims, kv_dims, q_dims)))
+
+
 def run_case(shape: Shape, is_causal: bool, impl: str, dtype: jnp.dtype,
              args: argparse.Namespace, inputs: tuple[jax.Array, ...],
              device: jax.Device) -> list[dict[str, Any]]:
@@ -247,10 +390,11 @@ def run_case(shape: Shape, is_causal: bool, impl: str, dtype: jnp.dtype,
   for pass_ in PASSES:
     row = {
         "shape": str(shape), "batch": shape.batch, "seq_len": shape.seq_len,
-        "num_heads": shape.num_heads, "head_dim": shape.head_dim,
-        "causal": is_causal, "dtype": jnp.dtype(dtype).name, "pass": pass_,
-        "impl": impl, "ms": None, "tflops": None, "vs_cudnn": None,
-        "compile_s": None, "peak_mib": None, "error": None,
+        "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim, "causal": is_causal,
+        "dtype": jnp.dtype(dtype).name, "pass": pass_, "impl": impl,
+        "ms": None, "tflops": None, "vs_cudnn": None, "vs_mha": None,
+        "compile_s": None, "mem_mib": None, "peak_mib": None, "error": None,
     }
     rows.append(row)
     if impl == "xla" and shape.seq_len > args.skip_xla_above:
@@ -269,23 +413,130 @@ def run_case(shape: Shape, is_causal: bool, impl: str, dtype: jnp.dtype,
     row["compile_s"] = first
     row["ms"] = per_call * 1e3
     row["tflops"] = flops(shape, is_causal, pass_) / per_call / 1e12
+    mem = step_memory_bytes(step, inputs)
+    row["mem_mib"] = None if mem is None else mem / 2**20
   return rows
+
+
+def add_ratios(case_rows: list[dict[str, Any]]) -> None:
+  """Fills `vs_cudnn` (every row) and `vs_mha` (triton rows) of one case."""
+  for pass_ in PASSES:
+    ref = {r["impl"]: r["tflops"] for r in case_rows if r["pass"] == pass_}
+    for r in case_rows:
+      if r["pass"] != pass_ or not r["tflops"]:
+        continue
+      if ref.get("cudnn"):
+        r["vs_cudnn"] = r["tflops"] / ref["cudnn"]
+      if r["impl"] == "triton" and ref.get("mha"):
+        r["vs_mha"] = r["tflops"] / ref["mha"]
 
 
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
   return "-" if value is None else format(value, spec) + suffix
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-  header = (f"{'shape B,N,H,D':<16} {'causal':<6} {'pass':<8} {'impl':<7} "
-            f"{'ms':>9} {'TFLOP/s':>8} {'vs cuDNN':>8} {'peak MiB':>9}  error")
-  print(header)
-  print("-" * len(header))
+def format_table(rows: list[dict[str, Any]]) -> str:
+  header = (f"{'shape B,N,H,D[,K]':<17} {'dtype':<8} {'causal':<6} "
+            f"{'pass':<8} {'impl':<7} {'ms':>9} {'TFLOP/s':>8} "
+            f"{'vs cuDNN':>8} {'vs mha':>7} {'mem MiB':>9}  error")
+  lines = [header, "-" * len(header)]
   for r in rows:
-    print(f"{r['shape']:<16} {str(r['causal']):<6} {r['pass']:<8} "
-          f"{r['impl']:<7} {fmt(r['ms'], '.3f'):>9} "
-          f"{fmt(r['tflops'], '.2f'):>8} {fmt(r['vs_cudnn'], '.2f', 'x'):>8} "
-          f"{fmt(r['peak_mib'], '.0f'):>9}  {r['error'] or ''}".rstrip())
+    lines.append(
+        f"{r['shape']:<17} {r['dtype']:<8} {str(r['causal']):<6} "
+        f"{r['pass']:<8} {r['impl']:<7} {fmt(r['ms'], '.3f'):>9} "
+        f"{fmt(r['tflops'], '.2f'):>8} {fmt(r['vs_cudnn'], '.2f', 'x'):>8} "
+        f"{fmt(r['vs_mha'], '.2f', 'x'):>7} {fmt(r['mem_mib'], '.1f'):>9}  "
+        f"{r['error'] or ''}".rstrip())
+  return "\n".join(lines)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+  print(format_table(rows))
+
+
+_IMPL_COLORS = {"triton": "C0", "cudnn": "C1", "xla": "C2", "mha": "C3"}
+_DTYPE_STYLES = {"bfloat16": "-", "float16": "--", "float32": ":"}
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def plot(rows: list[dict[str, Any]], meta: dict[str, Any], path: str) -> None:
+  """Writes TFLOP/s against N, one panel per (head dim, causal, pass).
+
+  Panels form a grid: a row per head dim, a column per (causal, pass) pair
+  present in the results. Colour is the implementation, line style the dtype,
+  marker the (query heads, kv heads) pair.
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")  # Files only; no display needed.
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+
+  ok = [r for r in rows if r["tflops"]]
+  head_dims = sorted({r["head_dim"] for r in ok}) or [None]
+  columns = sorted({(r["causal"], r["pass"]) for r in ok},
+                   key=lambda c: (c[0], PASSES.index(c[1]))) or [None]
+  dtypes = sorted({r["dtype"] for r in ok})
+  heads = sorted({(r["num_heads"], r["num_kv_heads"]) for r in ok})
+
+  fig, axes = plt.subplots(
+      len(head_dims), len(columns), squeeze=False,
+      figsize=(4.2 * len(columns), 3.4 * len(head_dims)))
+  fig.suptitle(f"{meta['device_kind']} ({meta['backend']}), "
+               f"{meta['date'][:10]}: TFLOP/s (4·B·H·N²·D, x0.5 causal, "
+               "x3.5 fwd+bwd)")
+  legend = {}
+  for i, head_dim in enumerate(head_dims):
+    for j, column in enumerate(columns):
+      ax = axes[i][j]
+      panel = [r for r in ok if column is not None
+               and (r["head_dim"], r["causal"], r["pass"])
+               == (head_dim, *column)]
+      if not panel:
+        ax.axis("off")
+        continue
+      series = collections.defaultdict(list)
+      for r in panel:
+        series[(r["impl"], r["dtype"], r["num_heads"],
+                r["num_kv_heads"])].append(r)
+      for (impl, dtype, h, k), points in sorted(
+          series.items(), key=lambda s: (IMPLS.index(s[0][0]), s[0][1:])):
+        points.sort(key=lambda r: (r["seq_len"], r["batch"]))
+        label = impl
+        if len(dtypes) > 1:
+          label += f" {dtype}"
+        if len(heads) > 1:
+          label += f" H{h}/K{k}"
+        (line,) = ax.plot(
+            [r["seq_len"] for r in points], [r["tflops"] for r in points],
+            color=_IMPL_COLORS[impl], linestyle=_DTYPE_STYLES.get(dtype, "-"),
+            marker=_MARKERS[heads.index((h, k)) % len(_MARKERS)],
+            markersize=4, label=label)
+        legend.setdefault(label, line)
+      causal, pass_ = column
+      ax.set_title(f"D={head_dim}, {'causal' if causal else 'non-causal'}, "
+                   f"{pass_}", fontsize=10)
+      seq_lens = sorted({r["seq_len"] for r in panel})
+      ax.set_xscale("log", base=2)
+      ax.xaxis.set_major_locator(ticker.FixedLocator(seq_lens))
+      ax.xaxis.set_minor_locator(ticker.NullLocator())
+      ax.xaxis.set_major_formatter(ticker.FuncFormatter(
+          lambda n, _: f"{int(n) // 1024}k" if n >= 1024 and n % 1024 == 0
+          else f"{int(n)}"))
+      ax.set_ylim(bottom=0)
+      ax.grid(True, alpha=0.3)
+      if i == len(head_dims) - 1:
+        ax.set_xlabel("N (sequence length)")
+      if j == 0:
+        ax.set_ylabel("TFLOP/s")
+  if legend:
+    fig.legend(legend.values(), legend.keys(), loc="center left",
+               bbox_to_anchor=(1.0, 0.5), fontsize=9)
+  else:
+    fig.text(0.5, 0.5, "no successful rows", ha="center", va="center")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120, bbox_inches="tight")
+  plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
@@ -299,7 +550,6 @@ def main(argv: list[str]) -> int:
     return 2
 
   device = jax.devices()[0]
-  dtype = jnp.dtype(args.dtype)
   causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}
   meta = {
       "device_kind": device.device_kind,
@@ -310,40 +560,53 @@ def main(argv: list[str]) -> int:
           timespec="seconds"),
       "command": shlex.join([sys.executable] + argv),
       "git_commit": git_commit(),
+      "preset": args.preset,
+      "dtypes": args.dtype,
+      "impls": args.impls,
       "timing": (f"median over {args.repeats} repeats of {args.iters} calls, "
                  f"after {args.warmup} warmup calls"),
+      "flops": "4*B*H*N^2*D (H query heads), x0.5 causal, x3.5 fwd+bwd",
+      "memory": ("mem_mib: compiled step's arguments + outputs + temporaries "
+                 "- aliases (per call); peak_mib: process-wide peak so far"),
   }
   for k, v in meta.items():
     print(f"{k:>15}: {v}")
-  print("peak MiB is the process-wide peak so far (cumulative), not per row.")
   print(flush=True)
 
+  cases = [(shape, dtype, is_causal)
+           for shape in args.shapes for dtype in args.dtype
+           for is_causal in causal_values[args.causal]]
+  progress = tqdm.tqdm(total=len(cases) * len(args.impls), unit="case",
+                       file=sys.stderr, disable=not args.progress,
+                       dynamic_ncols=True)
   rows = []
   key = jax.random.key(args.seed)
-  for shape in args.shapes:
-    # Fresh random inputs per shape (never zeros: zeros let the softmax and
-    # the matmuls take shortcuts nothing in real use takes).
-    key, *subkeys = jax.random.split(key, 5)
-    dims = (shape.batch, shape.seq_len, shape.num_heads, shape.head_dim)
-    inputs = tuple(jax.random.normal(k, dims, dtype) for k in subkeys)
-    jax.block_until_ready(inputs)
-    for is_causal in causal_values[args.causal]:
-      case_rows = []
-      for impl in args.impls:
-        case_rows += run_case(shape, is_causal, impl, dtype, args, inputs,
-                              device)
-      for pass_ in PASSES:
-        ref = next((r["tflops"] for r in case_rows
-                    if r["impl"] == "cudnn" and r["pass"] == pass_), None)
-        for r in case_rows:
-          if r["pass"] == pass_ and ref and r["tflops"]:
-            r["vs_cudnn"] = r["tflops"] / ref
-      case_rows.sort(key=lambda r: (PASSES.index(r["pass"]),
-                                    args.impls.index(r["impl"])))
-      rows += case_rows
-      print_table(case_rows)
-      print(flush=True)
-    del inputs
+  inputs, inputs_for = None, None  # inputs_for: (shape, dtype) of `inputs`.
+  for shape, dtype_name, is_causal in cases:
+    dtype = jnp.dtype(dtype_name)
+    if inputs_for != (shape, dtype_name):
+      # Fresh random inputs per shape and dtype; drop the old ones first.
+      inputs = None
+      key, subkey = jax.random.split(key)
+      inputs = random_inputs(subkey, shape, dtype)
+      jax.block_until_ready(inputs)
+      inputs_for = (shape, dtype_name)
+    case_rows = []
+    for impl in args.impls:
+      progress.set_postfix_str(
+          f"{shape} {dtype_name} causal={is_causal} {impl}", refresh=True)
+      case_rows += run_case(shape, is_causal, impl, dtype, args, inputs,
+                            device)
+      progress.update()
+    add_ratios(case_rows)
+    case_rows.sort(key=lambda r: (PASSES.index(r["pass"]),
+                                  args.impls.index(r["impl"])))
+    rows += case_rows
+    # tqdm.write clears and redraws the bar around the table.
+    tqdm.tqdm.write(format_table(case_rows) + "\n", file=sys.stdout)
+    sys.stdout.flush()
+  progress.close()
+  inputs = None
 
   print("All rows:")
   print_table(rows)
@@ -351,6 +614,9 @@ def main(argv: list[str]) -> int:
     with open(args.json, "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=2)
     print(f"\nwrote {args.json}")
+  if args.plot:
+    plot(rows, meta, args.plot)
+    print(f"wrote {args.plot}")
   return 0
 
 
