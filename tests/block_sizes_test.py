@@ -5,6 +5,7 @@ from absl.testing import parameterized
 import jax.numpy as jnp
 
 import jflash
+from jflash._src import block_sizes
 
 
 class BlockSizesTest(parameterized.TestCase):
@@ -37,21 +38,45 @@ class BlockSizesTest(parameterized.TestCase):
       self.assertLessEqual(tile, max(rounded_q, 16))
     self.assertIsInstance(sizes, jflash.BlockSizes)
 
-  @parameterized.product(head_dim=(32, 64, 80, 128, 192, 256),
-                         dtype=("float32", "bfloat16", "float16"))
-  def test_default_forward_tiles_fit_shared_memory(self, head_dim, dtype):
-    # Estimate of the forward's shared memory: a q tile plus `num_stages`
-    # buffered k and v tiles. Hopper gives a block at most 227 KiB; float32
-    # with the 16-bit tiles (128x128, 3 stages, D=128) asks for ~448 KiB and
-    # failed to compile on an H200 (see WORKSPACE_NOTES.md).
+  @parameterized.product(
+      head_dim=(32, 64, 80, 128, 192, 256),
+      dtype=("float32", "bfloat16", "float16"),
+      device_kind=("NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA L4"))
+  def test_default_tiles_fit_shared_memory(self, head_dim, dtype,
+                                           device_kind):
+    # float32 with the 16-bit tiles (128x128, 3 stages, D=128) asks for
+    # ~448 KiB and failed to compile on an H200 (see WORKSPACE_NOTES.md).
     sizes = jflash.default_block_sizes(
         q_len=8192, kv_len=8192, head_dim=head_dim, dtype=dtype,
-        is_causal=False, device_kind="NVIDIA H200")
-    padded = max(16, 1 << (head_dim - 1).bit_length())
+        is_causal=False, device_kind=device_kind)
     itemsize = jnp.dtype(dtype).itemsize
-    estimate = itemsize * padded * (
-        sizes.block_q + 2 * sizes.num_stages * sizes.block_k)
-    self.assertLessEqual(estimate, 227 * 1024, msg=str(sizes))
+    limit = block_sizes.shared_memory_limit(device_kind)
+    self.assertLessEqual(
+        block_sizes.forward_shared_memory(
+            sizes.block_q, sizes.block_k, sizes.num_stages,
+            head_dim=head_dim, itemsize=itemsize), limit, msg=str(sizes))
+    self.assertLessEqual(
+        block_sizes.backward_shared_memory(
+            sizes.block_q_dkv, sizes.block_k_dkv, sizes.block_q_dq,
+            sizes.block_k_dq, sizes.num_stages_bwd, head_dim=head_dim,
+            itemsize=itemsize), limit, msg=str(sizes))
+
+  def test_estimate_rejects_the_float32_tiles_that_failed(self):
+    self.assertGreater(
+        block_sizes.forward_shared_memory(128, 128, 3, head_dim=128,
+                                          itemsize=4),
+        block_sizes.shared_memory_limit("NVIDIA H200"))
+
+  def test_hopper_defaults_are_the_measured_best(self):
+    # bf16, D=128 on an H200: forward 128x128, 8 warps, 3 stages; backward
+    # 64x64 tiles, 4 warps, 2 stages (WORKSPACE_NOTES.md, tile sweeps).
+    sizes = jflash.default_block_sizes(
+        q_len=8192, kv_len=8192, head_dim=128, dtype="bfloat16",
+        is_causal=True, device_kind="NVIDIA H200")
+    self.assertEqual(sizes, jflash.BlockSizes(
+        block_q=128, block_k=128, block_q_dkv=64, block_k_dkv=64,
+        block_q_dq=64, block_k_dq=64, num_warps=8, num_stages=3,
+        num_warps_bwd=4, num_stages_bwd=2))
 
 
 if __name__ == "__main__":

@@ -91,6 +91,79 @@ def _clamp_to_length(block: int, length: int) -> int:
   return max(MIN_BLOCK, min(block, next_power_of_two(length)))
 
 
+# Shared memory one thread block may use, by device family (bytes).
+_HOPPER_SHARED_MEMORY = 227 * 1024  # H100, H200 (sm90); also B200.
+_AMPERE_SHARED_MEMORY = 163 * 1024  # A100, A800, A30 (sm80).
+_SMALL_SHARED_MEMORY = 99 * 1024  # sm86 / sm89 (RTX, L4, L40, A10) and other.
+
+
+def shared_memory_limit(device_kind: str) -> int:
+  """Per-block shared memory of a device family, from its `device_kind`."""
+  kind = device_kind.upper()
+  if any(name in kind for name in ("H100", "H200", "H800", "GH200", "B200",
+                                   "B100", "GB200")):
+    return _HOPPER_SHARED_MEMORY
+  if any(name in kind for name in ("A100", "A800", "A30")):
+    return _AMPERE_SHARED_MEMORY
+  if kind in ("CPU", "") or "CPU" in kind:
+    return _HOPPER_SHARED_MEMORY  # Interpreter: no limit; use GPU tiles.
+  return _SMALL_SHARED_MEMORY
+
+
+def _padded(head_dim: int) -> int:
+  return max(MIN_BLOCK, next_power_of_two(head_dim))
+
+
+def forward_shared_memory(block_q: int, block_k: int, num_stages: int, *,
+                          head_dim: int, itemsize: int) -> int:
+  """Estimate: one q tile plus `num_stages` buffered k and v tiles."""
+  return itemsize * _padded(head_dim) * (block_q + 2 * num_stages * block_k)
+
+
+def backward_shared_memory(block_q_dkv: int, block_k_dkv: int,
+                           block_q_dq: int, block_k_dq: int, num_stages: int,
+                           *, head_dim: int, itemsize: int) -> int:
+  """Estimate for the larger backward kernel (resident + buffered tiles).
+
+  dK/dV keeps k and v tiles and streams q and dO tiles; dQ keeps q and dO
+  tiles and streams k and v tiles.
+  """
+  dkv = 2 * block_k_dkv + 2 * num_stages * block_q_dkv
+  dq = 2 * block_q_dq + 2 * num_stages * block_k_dq
+  return itemsize * _padded(head_dim) * max(dkv, dq)
+
+
+# Preference lists, best first. The first entry of each 16-bit list is the
+# best point measured on an H200 (WORKSPACE_NOTES.md); later entries are
+# smaller fallbacks for devices with less shared memory (not yet measured).
+# Forward: (block_q, block_k, num_warps, num_stages).
+_FORWARD_PREFERENCES = {
+    (2, 64): ((128, 64, 4, 3), (64, 64, 4, 2)),
+    (2, 128): ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 2),
+               (64, 64, 4, 2)),
+    (2, 256): ((64, 32, 4, 2), (32, 32, 4, 1)),
+    (4, 128): ((64, 64, 4, 2), (32, 32, 4, 1)),
+    (4, 256): ((32, 32, 4, 1), (16, 16, 4, 1)),
+}
+# Backward: (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, warps, stages).
+_BACKWARD_PREFERENCES = {
+    (2, 64): ((64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 2)),
+    (2, 128): ((64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 2),
+               (32, 32, 32, 32, 4, 1)),
+    (2, 256): ((32, 32, 32, 32, 4, 1), (16, 16, 16, 16, 4, 1)),
+    (4, 128): ((32, 32, 32, 32, 4, 2), (16, 16, 16, 16, 4, 1)),
+    (4, 256): ((16, 16, 16, 16, 4, 1),),
+}
+
+
+def _preferences(table, itemsize: int, head_dim: int):
+  size = 2 if itemsize <= 2 else 4
+  bucket = next(d for d in (64, 128, 256) if head_dim <= d)
+  if size == 4 and bucket == 64:
+    bucket = 128
+  return table[(size, bucket)]
+
+
 def default_block_sizes(
     *,
     q_len: int,
@@ -100,47 +173,43 @@ def default_block_sizes(
     is_causal: bool,
     device_kind: str,
 ) -> BlockSizes:
-  """Chooses tile sizes for one problem shape.
+  """Chooses tile sizes for one problem shape (the one heuristic).
+
+  Picks, per kernel, the first entry of a preference list keyed on dtype
+  size and head dimension whose shared-memory estimate fits the device
+  family's limit, then shrinks tiles to the sequence lengths.
 
   Args:
     q_len: query sequence length.
     kv_len: key/value sequence length.
     head_dim: head dimension (before padding to a power of two).
     dtype: input dtype.
-    is_causal: whether the causal mask is applied.
+    is_causal: whether the causal mask is applied (not yet distinguished:
+      the same tiles were best for both on an H200).
     device_kind: `jax.Device.device_kind`, e.g. "NVIDIA H100 80GB HBM3".
 
   Returns:
     A `BlockSizes` with every tile no larger than needed for the lengths.
   """
-  del is_causal, device_kind  # Not yet distinguished; see NOTES.
-  if jnp.dtype(dtype).itemsize >= 4:
-    # float32 tiles take twice the shared memory and registers: the 16-bit
-    # tiles below (128x128, 3 stages at D=128) do not fit.
-    if head_dim <= 128:
-      fwd = dict(block_q=64, block_k=64, num_warps=4, num_stages=2)
-      bwd = dict(block_q_dkv=32, block_k_dkv=32, block_q_dq=32, block_k_dq=32,
-                 num_warps_bwd=4, num_stages_bwd=2)
-    else:
-      fwd = dict(block_q=32, block_k=32, num_warps=4, num_stages=1)
-      bwd = dict(block_q_dkv=16, block_k_dkv=16, block_q_dq=16, block_k_dq=16,
-                 num_warps_bwd=4, num_stages_bwd=1)
-  elif head_dim <= 64:
-    fwd = dict(block_q=128, block_k=64, num_warps=4, num_stages=3)
-    bwd = dict(block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
-               num_warps_bwd=4, num_stages_bwd=2)
-  elif head_dim <= 128:
-    fwd = dict(block_q=128, block_k=128, num_warps=8, num_stages=3)
-    bwd = dict(block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
-               num_warps_bwd=4, num_stages_bwd=2)
-  else:
-    fwd = dict(block_q=64, block_k=32, num_warps=4, num_stages=2)
-    bwd = dict(block_q_dkv=32, block_k_dkv=32, block_q_dq=32, block_k_dq=32,
-               num_warps_bwd=4, num_stages_bwd=1)
-  for name in ("block_q", "block_q_dkv", "block_q_dq"):
-    table = fwd if name in fwd else bwd
-    table[name] = _clamp_to_length(table[name], q_len)
-  for name in ("block_k", "block_k_dkv", "block_k_dq"):
-    table = fwd if name in fwd else bwd
-    table[name] = _clamp_to_length(table[name], kv_len)
-  return BlockSizes(**fwd, **bwd)
+  del is_causal
+  itemsize = jnp.dtype(dtype).itemsize
+  limit = shared_memory_limit(device_kind)
+  forward = _preferences(_FORWARD_PREFERENCES, itemsize, head_dim)
+  block_q, block_k, num_warps, num_stages = next(
+      (c for c in forward if forward_shared_memory(
+          c[0], c[1], c[3], head_dim=head_dim, itemsize=itemsize) <= limit),
+      forward[-1])
+  backward = _preferences(_BACKWARD_PREFERENCES, itemsize, head_dim)
+  q_dkv, k_dkv, q_dq, k_dq, warps_bwd, stages_bwd = next(
+      (c for c in backward if backward_shared_memory(
+          *c[:4], c[5], head_dim=head_dim, itemsize=itemsize) <= limit),
+      backward[-1])
+  return BlockSizes(
+      block_q=_clamp_to_length(block_q, q_len),
+      block_k=_clamp_to_length(block_k, kv_len),
+      block_q_dkv=_clamp_to_length(q_dkv, q_len),
+      block_k_dkv=_clamp_to_length(k_dkv, kv_len),
+      block_q_dq=_clamp_to_length(q_dq, q_len),
+      block_k_dq=_clamp_to_length(k_dq, kv_len),
+      num_warps=num_warps, num_stages=num_stages,
+      num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd)
