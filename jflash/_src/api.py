@@ -37,6 +37,8 @@ def flash_attention(
     implementation: Literal["triton", "xla"] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    logits_soft_cap: float | None = None,
+    causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
 ) -> jax.Array:
   r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
 
@@ -48,11 +50,16 @@ def flash_attention(
   heads, K = key/value heads, H = head dim. With K < N (GQA; MQA when K = 1),
   query head n reads key/value head n // (N // K); K/V are never repeated.
 
-  Causal alignment is top-left, as in jax.nn: query row t sees keys s <= t,
-  also when T != S. For T = 2, S = 4 (x = visible)::
+  Causal alignment is top-left by default, as in jax.nn: query row t sees
+  keys s <= t, also when T != S. `causal_alignment="bottom_right"` aligns the
+  last query with the last key instead (FlashAttention's convention, and
+  what a KV-cache prefill of T new tokens after S - T cached ones needs):
+  row t sees s <= t + S - T, with the lengths in place of T and S when given.
+  For T = 2, S = 4 (x = visible)::
 
-      x . . .
-      x x . .
+      top_left    bottom_right
+      x . . .     x x x .
+      x x . .     x x x x
 
   Rows with no visible key (t >= query_seq_lengths[b], or
   key_value_seq_lengths[b] == 0) output exactly 0 and pass zero gradients.
@@ -78,6 +85,10 @@ def flash_attention(
       `jflash.default_block_sizes`.
     interpret: run the very same kernels through the Pallas interpreter (on
       any backend, slowly); used by the CPU test suite.
+    logits_soft_cap: if set (a positive float), logits become
+      cap * tanh(logits / cap) before the softmax (Gemma 2), in both passes.
+    causal_alignment: "top_left" (default, jax.nn) or "bottom_right"; only
+      used with is_causal=True.
 
   Returns:
     Array of `query`'s shape and dtype.
@@ -102,6 +113,16 @@ def flash_attention(
     raise ValueError(f"is_causal must be a bool, got {is_causal!r}.")
   if not isinstance(interpret, (bool, np.bool_)):
     raise ValueError(f"interpret must be a bool, got {interpret!r}.")
+  if causal_alignment not in ("top_left", "bottom_right"):
+    raise ValueError("causal_alignment must be 'top_left' or 'bottom_right'; "
+                     f"got {causal_alignment!r}.")
+  bottom_right = bool(is_causal) and causal_alignment == "bottom_right"
+  if logits_soft_cap is not None:
+    soft_cap = _check_scale(logits_soft_cap, 1, name="logits_soft_cap")
+    if soft_cap <= 0.0:
+      raise ValueError(f"logits_soft_cap must be positive; got "
+                       f"{logits_soft_cap!r}.")
+    logits_soft_cap = soft_cap
 
   unbatched = query.ndim == 3
   if unbatched:
@@ -131,13 +152,15 @@ def flash_attention(
                    or key_value_seq_lengths is not None)
     config = KernelConfig(scale=scale, is_causal=bool(is_causal),
                           block_sizes=block_sizes, interpret=bool(interpret),
-                          has_lengths=has_lengths)
+                          has_lengths=has_lengths, bottom_right=bottom_right,
+                          logits_soft_cap=logits_soft_cap)
     out = kernel_vjp.flash_attention_kernels(query, key, value, q_lens,
                                              kv_lens, config)
   else:
-    out = reference.attention_reference(query, key, value, q_lens, kv_lens,
-                                        scale=scale,
-                                        is_causal=bool(is_causal))
+    out = reference.attention_reference(
+        query, key, value, q_lens, kv_lens, scale=scale,
+        is_causal=bool(is_causal), bottom_right=bottom_right,
+        logits_soft_cap=logits_soft_cap)
   return out[0] if unbatched else out
 
 
@@ -180,19 +203,20 @@ def _check_operands(query, key, value):
     raise ValueError(f"head_dim must be positive; got {shapes}.")
 
 
-def _check_scale(scale, head_dim: int) -> float:
+def _check_scale(scale, head_dim: int, name: str = "scale") -> float:
+  """A static, finite float option (`scale` defaults to 1/sqrt(head_dim))."""
   if scale is None:
     return 1.0 / math.sqrt(head_dim)
   if isinstance(scale, (str, bytes, bool)):
-    raise ValueError(f"scale must be a Python float; got {scale!r}.")
+    raise ValueError(f"{name} must be a Python float; got {scale!r}.")
   try:
     value = float(scale)
   except (TypeError, jax.errors.ConcretizationTypeError) as e:
     raise ValueError(
-        f"scale must be a Python float known at trace time; got {scale!r}."
+        f"{name} must be a Python float known at trace time; got {scale!r}."
     ) from e
   if not math.isfinite(value):
-    raise ValueError(f"scale must be finite; got {scale!r}.")
+    raise ValueError(f"{name} must be finite; got {scale!r}.")
   return value
 
 

@@ -46,22 +46,35 @@ def delta_kernel(o_ref, do_ref, delta_ref, *, block_q: int, head_dim: int):
   tiles.store_row_stats(delta_ref, q_start, delta, seq_len=q_seq)
 
 
-def _probabilities(q, k, lse, *, logit_scale, rows, k_start, block_k,
-                   mask, kv_len, needs_mask):
-  """Recomputes p = 2^(s2 - lse2) for one [block_q, block_k] tile."""
-  logits = tiles.matmul(q, k, trans_b=True) * logit_scale
+def _probabilities(q, k, lse, *, scale, soft_cap, rows, k_start, block_k,
+                   mask, kv_len, offset, needs_mask):
+  """Recomputes p = 2^(s2 - lse2) for one [block_q, block_k] tile.
+
+  Returns (p, tanh) with tanh as in `tiles.logits_base2` (None without cap).
+  """
+  logits, capped = tiles.logits_base2(tiles.matmul(q, k, trans_b=True),
+                                      scale=scale, soft_cap=soft_cap)
   probs = jnp.exp2(logits - lse[:, None])
   if needs_mask:
     cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
-    probs = jnp.where(masks.visible(mask, rows, cols, kv_len), probs, 0.0)
-  return probs
+    probs = jnp.where(masks.visible(mask, rows, cols, kv_len, offset), probs,
+                      0.0)
+  return probs, capped
+
+
+def _score_gradient(probs, capped, dprobs, delta):
+  """dL/d(scale * q.k): p * (dP - delta), times the cap's tanh' if capped."""
+  dlogits = probs * (dprobs - delta[:, None])
+  if capped is not None:
+    dlogits = dlogits * (1.0 - capped * capped)
+  return dlogits
 
 
 def dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
     dk_ref, dv_ref,
-    *, mask: masks.MaskSpec, scale: float, block_q: int, block_k: int,
-    head_dim: int, group: int,
+    *, mask: masks.MaskSpec, scale: float, soft_cap: float | None,
+    block_q: int, block_k: int, head_dim: int, group: int,
 ):
   # q_ref, do_ref: [q_seq, group, head_dim_p]; lse_ref, delta_ref:
   # [group, q_seq]; k_ref, v_ref, dk_ref, dv_ref: [kv_seq, head_dim_p].
@@ -73,14 +86,14 @@ def dkv_kernel(
   q_len, kv_len = masks.load_lengths(
       dataclasses.replace(mask, has_lengths=True), q_len_ref, kv_len_ref,
       q_seq, kv_seq)
+  offset = masks.causal_offset(mask, q_len, kv_len)
   k_start = k_tile_index * block_k
   k = tiles.load_tile(k_ref, k_start, block_k, seq_len=kv_seq,
                       head_dim=head_dim)
   v = tiles.load_tile(v_ref, k_start, block_k, seq_len=kv_seq,
                       head_dim=head_dim)
-  logit_scale = scale * tiles.LOG2_E
   blocks = masks.query_blocks_for_key_block(
-      mask, k_start, block_k, block_q, q_len, kv_len)
+      mask, k_start, block_k, block_q, q_len, kv_len, offset)
 
   def step(q_tile_index, carry, *, head, needs_mask: bool):
     dk, dv = carry
@@ -95,12 +108,13 @@ def dkv_kernel(
                                other=jnp.inf, group_index=head)
     delta = tiles.load_row_stats(delta_ref, q_start, block_q, seq_len=q_seq,
                                  other=0.0, group_index=head)
-    probs = _probabilities(q, k, lse, logit_scale=logit_scale, rows=rows,
-                           k_start=k_start, block_k=block_k, mask=mask,
-                           kv_len=kv_len, needs_mask=needs_mask)
+    probs, capped = _probabilities(
+        q, k, lse, scale=scale, soft_cap=soft_cap, rows=rows,
+        k_start=k_start, block_k=block_k, mask=mask, kv_len=kv_len,
+        offset=offset, needs_mask=needs_mask)
     dv = dv + tiles.matmul(probs.astype(do.dtype), do, trans_a=True)
     dprobs = tiles.matmul(do, v, trans_b=True)
-    dlogits = probs * (dprobs - delta[:, None])
+    dlogits = _score_gradient(probs, capped, dprobs, delta)
     dk = dk + tiles.matmul(dlogits.astype(q.dtype), q, trans_a=True)
     return dk, dv
 
@@ -122,13 +136,14 @@ def dkv_kernel(
 def dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
     dq_ref,
-    *, mask: masks.MaskSpec, scale: float, block_q: int, block_k: int,
-    head_dim: int,
+    *, mask: masks.MaskSpec, scale: float, soft_cap: float | None,
+    block_q: int, block_k: int, head_dim: int,
 ):
   q_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
                                      kv_seq)
+  offset = masks.causal_offset(mask, q_len, kv_len)
   q_start = q_tile_index * block_q
   rows = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
   q = tiles.load_tile(q_ref, q_start, block_q, seq_len=q_seq,
@@ -139,7 +154,6 @@ def dq_kernel(
                              other=jnp.inf)
   delta = tiles.load_row_stats(delta_ref, q_start, block_q, seq_len=q_seq,
                                other=0.0)
-  logit_scale = scale * tiles.LOG2_E
 
   def step(k_tile_index, dq, *, needs_mask: bool):
     k_start = k_tile_index * block_k
@@ -148,15 +162,16 @@ def dq_kernel(
                         head_dim=head_dim)
     v = tiles.load_tile(v_ref, k_start, block_k, seq_len=seq_len,
                         head_dim=head_dim)
-    probs = _probabilities(q, k, lse, logit_scale=logit_scale, rows=rows,
-                           k_start=k_start, block_k=block_k, mask=mask,
-                           kv_len=kv_len, needs_mask=needs_mask)
+    probs, capped = _probabilities(
+        q, k, lse, scale=scale, soft_cap=soft_cap, rows=rows,
+        k_start=k_start, block_k=block_k, mask=mask, kv_len=kv_len,
+        offset=offset, needs_mask=needs_mask)
     dprobs = tiles.matmul(do, v, trans_b=True)
-    dlogits = probs * (dprobs - delta[:, None])
+    dlogits = _score_gradient(probs, capped, dprobs, delta)
     return dq + tiles.matmul(dlogits.astype(k.dtype), k)
 
   blocks = masks.key_blocks_for_query_block(
-      mask, q_start, block_q, block_k, q_len, kv_len)
+      mask, q_start, block_q, block_k, q_len, kv_len, offset)
   dq = jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32)
   dq = lax.fori_loop(blocks.start, blocks.split,
                      functools.partial(step, needs_mask=False), dq)
@@ -207,7 +222,8 @@ def dkv_call(q, k, v, do, lse, delta, q_lens, kv_lens, *,
                          lambda j, b, g: (b, 0, g, 0))
   lengths_spec = pl.BlockSpec((batch,), lambda j, b, g: (0,))
   kernel = functools.partial(
-      dkv_kernel, mask=config.mask, scale=config.scale, block_q=block_q,
+      dkv_kernel, mask=config.mask, scale=config.scale,
+      soft_cap=config.logits_soft_cap, block_q=block_q,
       block_k=block_k, head_dim=head_dim, group=group)
   return pl.pallas_call(
       kernel,
@@ -240,7 +256,8 @@ def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *,
   stats_spec = pl.BlockSpec((None, None, q_seq), lambda i, b, h: (b, h, 0))
   lengths_spec = pl.BlockSpec((batch,), lambda i, b, h: (0,))
   kernel = functools.partial(
-      dq_kernel, mask=config.mask, scale=config.scale, block_q=block_q,
+      dq_kernel, mask=config.mask, scale=config.scale,
+      soft_cap=config.logits_soft_cap, block_q=block_q,
       block_k=block_k, head_dim=head_dim)
   return pl.pallas_call(
       kernel,

@@ -40,11 +40,14 @@ class KernelConfig:
   block_sizes: BlockSizes
   interpret: bool = False
   has_lengths: bool = True
+  bottom_right: bool = False
+  logits_soft_cap: float | None = None
 
   @property
   def mask(self) -> masks.MaskSpec:
     return masks.MaskSpec(is_causal=self.is_causal,
-                          has_lengths=self.has_lengths)
+                          has_lengths=self.has_lengths,
+                          bottom_right=self.bottom_right)
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -55,13 +58,14 @@ def head_dim_padded(head_dim: int) -> int:
 def forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,  # Inputs.
     o_ref, lse_ref,  # Outputs.
-    *, mask: masks.MaskSpec, scale: float, block_q: int, block_k: int,
-    head_dim: int,
+    *, mask: masks.MaskSpec, scale: float, soft_cap: float | None,
+    block_q: int, block_k: int, head_dim: int,
 ):
   q_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
                                      kv_seq)
+  offset = masks.causal_offset(mask, q_len, kv_len)
   q_start = q_tile_index * block_q
   rows = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
 
@@ -69,7 +73,6 @@ def forward_kernel(
       q_ref, q_start, block_q, head_dim=head_dim,
       seq_len=q_seq if q_seq % block_q else None)
   # Logits are kept in base 2: exp(scale * x) == exp2(scale * log2(e) * x).
-  logit_scale = scale * tiles.LOG2_E
 
   def step(k_tile_index, carry, *, needs_mask: bool):
     acc, row_max, row_sum = carry
@@ -80,10 +83,11 @@ def forward_kernel(
                         head_dim=head_dim)
     v = tiles.load_tile(v_ref, k_start, block_k, seq_len=seq_len,
                         head_dim=head_dim)
-    logits = tiles.matmul(q, k, trans_b=True) * logit_scale
+    logits, _ = tiles.logits_base2(tiles.matmul(q, k, trans_b=True),
+                                   scale=scale, soft_cap=soft_cap)
     if needs_mask:
       cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
-      seen = masks.visible(mask, rows, cols, kv_len)
+      seen = masks.visible(mask, rows, cols, kv_len, offset)
       logits = jnp.where(seen, logits, tiles.MASK_VALUE)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
     probs = jnp.exp2(logits - new_max[:, None])
@@ -97,7 +101,7 @@ def forward_kernel(
     return acc, new_max, row_sum
 
   blocks = masks.key_blocks_for_query_block(
-      mask, q_start, block_q, block_k, q_len, kv_len)
+      mask, q_start, block_q, block_k, q_len, kv_len, offset)
   carry = (
       jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
       jnp.full((block_q,), tiles.MASK_VALUE, jnp.float32),
@@ -142,7 +146,8 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
   head_dim_p = head_dim_padded(head_dim)
 
   kernel = functools.partial(
-      forward_kernel, mask=config.mask, scale=config.scale, block_q=block_q,
+      forward_kernel, mask=config.mask, scale=config.scale,
+      soft_cap=config.logits_soft_cap, block_q=block_q,
       block_k=block_k, head_dim=head_dim)
   q_spec = pl.BlockSpec((None, q_seq, None, head_dim_p),
                         lambda i, b, h: (b, 0, h, 0))

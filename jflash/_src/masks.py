@@ -31,6 +31,10 @@ class MaskSpec:
 
   Attributes:
     is_causal: top-left causal mask.
+    bottom_right: causal alignment (with is_causal): False for top-left
+      (query row r sees keys c <= r, jax.nn's convention), True for
+      bottom-right (c <= r + kv_len - q_len, FlashAttention's and KV-cache
+      prefill's convention; rows with r + kv_len - q_len < 0 see nothing).
     has_lengths: whether per-batch lengths were given. Without them the
       lengths are the static array lengths, and every loop bound that does not
       depend on the program id is a compile-time constant (Triton pipelines
@@ -39,6 +43,7 @@ class MaskSpec:
 
   is_causal: bool
   has_lengths: bool = True
+  bottom_right: bool = False
 
 
 def load_lengths(mask: MaskSpec, q_len_ref, kv_len_ref, q_seq: int,
@@ -76,13 +81,25 @@ def _maximum(a, b):
   return max(a, b) if _static(a, b) else jnp.maximum(a, b)
 
 
+def _is_zero(x) -> bool:
+  return isinstance(x, int) and x == 0
+
+
 def _select(cond, a, b):
   if isinstance(cond, bool):
     return a if cond else b
   return jnp.where(cond, a, b)
 
 
-def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len):
+def causal_offset(mask: MaskSpec, q_len, kv_len):
+  """How far right of the diagonal a row sees: 0 (top-left) or S - T."""
+  if not (mask.is_causal and mask.bottom_right):
+    return 0
+  return kv_len - q_len
+
+
+def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len,
+            offset=0):
   """Element-wise visibility of a tile.
 
   Args:
@@ -90,6 +107,7 @@ def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len):
     rows: absolute query positions, shape [block_q, 1].
     cols: absolute key positions, shape [1, block_k].
     kv_len: key/value length of this batch element (traced int32 scalar).
+    offset: `causal_offset(mask, q_len, kv_len)`.
 
   Returns:
     bool [block_q, block_k]: True where row may attend to column. Rows past
@@ -98,7 +116,8 @@ def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len):
   """
   result = cols < kv_len
   if mask.is_causal:
-    result = jnp.logical_and(result, cols <= rows)
+    limit = rows if _is_zero(offset) else rows + offset
+    result = jnp.logical_and(result, cols <= limit)
   return result
 
 
@@ -132,7 +151,8 @@ def _block_range(start, split, stop) -> BlockRange:
 
 
 def key_blocks_for_query_block(
-    mask: MaskSpec, q_start, block_q: int, block_k: int, q_len, kv_len
+    mask: MaskSpec, q_start, block_q: int, block_k: int, q_len, kv_len,
+    offset=0,
 ) -> BlockRange:
   """Key tiles that a query tile must visit (forward and dQ kernels).
 
@@ -147,12 +167,19 @@ def key_blocks_for_query_block(
     block_k: key tile size.
     q_len: query length of this batch element (int when static).
     kv_len: key/value length of this batch element (int when static).
+    offset: `causal_offset(mask, q_len, kv_len)`.
   """
   visible_end = kv_len  # One past the last column any row of the tile sees.
   full_end = kv_len  # One past the last column every row of the tile sees.
   if mask.is_causal:
-    visible_end = _minimum(visible_end, q_start + block_q)
-    full_end = _minimum(full_end, q_start + 1)
+    if _is_zero(offset):
+      visible_end = _minimum(visible_end, q_start + block_q)
+      full_end = _minimum(full_end, q_start + 1)
+    else:
+      # Bottom-right: rows may see nothing at all (clamp at 0 tiles).
+      visible_end = _maximum(_minimum(visible_end, q_start + block_q + offset),
+                             0)
+      full_end = _maximum(_minimum(full_end, q_start + 1 + offset), 0)
   stop = _cdiv(visible_end, block_k)
   if mask.has_lengths:
     # A query tile entirely past q_len has nothing to compute. (Without
@@ -163,7 +190,8 @@ def key_blocks_for_query_block(
 
 
 def query_blocks_for_key_block(
-    mask: MaskSpec, k_start, block_k: int, block_q: int, q_len, kv_len
+    mask: MaskSpec, k_start, block_k: int, block_q: int, q_len, kv_len,
+    offset=0,
 ) -> BlockRange:
   """Query tiles that a key tile must visit (dK/dV kernel).
 
@@ -178,6 +206,7 @@ def query_blocks_for_key_block(
     block_q: query tile size.
     q_len: query length of this batch element (int when static).
     kv_len: key/value length of this batch element (int when static).
+    offset: `causal_offset(mask, q_len, kv_len)`.
   """
   # Always traced bounds here (the dK/dV kernel reads the lengths from
   # memory): with static or literal bounds, this loop, nested in the loop over
@@ -185,10 +214,15 @@ def query_blocks_for_key_block(
   # 'i32' in the while-loop body). See WORKSPACE_NOTES.md.
   stop = _cdiv(q_len, block_q)
   if mask.is_causal:
-    # Row r sees column c only if r >= c: rows before k_start see nothing.
-    start = jnp.minimum(lax.div(k_start, block_q), stop)
-    # Rows r >= k_start + block_k - 1 see every column of the tile.
-    split = _cdiv(k_start + block_k - 1, block_q)
+    # Row r sees column c only if r + offset >= c: rows before
+    # k_start - offset see nothing of the tile, rows from
+    # k_start + block_k - 1 - offset on see all of it.
+    first_row = k_start if _is_zero(offset) else jnp.maximum(
+        k_start - offset, 0)
+    start = jnp.minimum(lax.div(first_row, block_q), stop)
+    last_col = k_start + block_k - 1
+    split = _cdiv(last_col if _is_zero(offset) else jnp.maximum(
+        last_col - offset, 0), block_q)
   else:
     start = jnp.int32(0)
     split = start

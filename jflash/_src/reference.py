@@ -16,7 +16,8 @@ from jflash._src import tiles
 
 
 def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
-                        is_causal: bool):
+                        is_causal: bool, bottom_right: bool = False,
+                        logits_soft_cap: float | None = None):
   """Reference attention.
 
   Args:
@@ -26,7 +27,10 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     q_lens: int32 [batch], valid query rows per batch element.
     kv_lens: int32 [batch], valid keys per batch element.
     scale: logit scale.
-    is_causal: top-left causal mask (query row r sees keys c <= r).
+    is_causal: causal mask; top-left (query row r sees keys c <= r) unless
+      bottom_right (c <= r + kv_len - q_len, per batch element).
+    bottom_right: causal alignment, see above.
+    logits_soft_cap: if set, logits become cap * tanh(logits / cap).
 
   Returns:
     [batch, q_len, num_heads, head_dim] in q.dtype.
@@ -38,11 +42,14 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   q = q.reshape(batch, q_seq, num_kv_heads, group, head_dim)
   logits = jnp.einsum("btkgd,bskd->bkgts", q, k,
                       preferred_element_type=jnp.float32) * scale
+  if logits_soft_cap is not None:
+    logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   rows = jnp.arange(q_seq)[:, None]
   cols = jnp.arange(kv_seq)[None, :]
   visible = cols[None] < kv_lens[:, None, None]
   if is_causal:
-    visible = jnp.logical_and(visible, cols <= rows)
+    offset = (kv_lens - q_lens)[:, None, None] if bottom_right else 0
+    visible = jnp.logical_and(visible, cols <= rows + offset)
   visible = jnp.logical_and(visible, rows[None] < q_lens[:, None, None])
   visible = visible[:, None, None]  # [batch, 1, 1, q_len, kv_len]
   logits = jnp.where(visible, logits, tiles.MASK_VALUE)

@@ -98,6 +98,21 @@ def store_row_stats(ref, start, value, *, seq_len: int):
   plgpu.store(ref.at[pl.ds(start, value.shape[0])], value, mask=rows < seq_len)
 
 
+def logits_base2(scores: jax.Array, *, scale: float,
+                 soft_cap: float | None):
+  """Base-2 logits of a tile of raw scores q.k (fp32).
+
+  Without a cap: scale * log2(e) * scores. With `soft_cap`: the natural-unit
+  logit is soft_cap * tanh(scale * scores / soft_cap) (Gemma 2's capping),
+  also times log2(e). Returns (logits, tanh) where tanh is None without a
+  cap; the backward needs it for d(logit)/d(score) = scale * (1 - tanh^2).
+  """
+  if soft_cap is None:
+    return scores * (scale * LOG2_E), None
+  capped = jnp.tanh(scores * (scale / soft_cap))
+  return capped * (soft_cap * LOG2_E), capped
+
+
 def matmul(a: jax.Array, b: jax.Array, *, trans_a: bool = False,
            trans_b: bool = False) -> jax.Array:
   """fp32-accumulated tile product.

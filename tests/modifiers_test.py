@@ -1,0 +1,93 @@
+"""Logit soft-capping and bottom-right causal alignment, forward and grads.
+
+jax.nn has neither option: the reference is jflash's pure-JAX path (itself
+checked against jax.nn without these options in dispatch_test.py), on
+float32 inputs at HIGHEST precision.
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from tests import test_util
+
+
+class ModifiersTest(parameterized.TestCase):
+  INTERPRET = test_util.INTERPRET
+
+  def _check(self, seed, lengths=None, **options):
+    shape = {k: options.pop(k) for k in list(options)
+             if k in ("q_len", "kv_len", "num_heads", "num_kv_heads",
+                      "dtype", "batch")}
+    q, k, v, dout = test_util.random_inputs(seed, **shape)
+    if lengths is not None:
+      options.update(
+          query_seq_lengths=jnp.asarray(lengths[0], jnp.int32),
+          key_value_seq_lengths=jnp.asarray(lengths[1], jnp.int32))
+    fn = functools.partial(
+        jflash.flash_attention, implementation="triton",
+        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
+        **options)
+    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+        fn, q, k, v, dout)
+    test_util.assert_close_to_reference(self, results, q, k, v, dout,
+                                        **options)
+    return results
+
+  @parameterized.product(dtype=("float32", "bfloat16"),
+                         is_causal=(False, True))
+  def test_soft_cap(self, dtype, is_causal):
+    # A small cap with large logits: the tanh saturates for many entries.
+    self._check(50, dtype=dtype, is_causal=is_causal, logits_soft_cap=2.0,
+                scale=1.0, q_len=40, kv_len=70)
+
+  @parameterized.named_parameters(
+      ("fewer_queries", 24, 70), ("more_queries", 70, 24), ("equal", 40, 40))
+  def test_bottom_right_causal(self, q_len, kv_len):
+    out = self._check(51, q_len=q_len, kv_len=kv_len, num_heads=4,
+                      num_kv_heads=2, is_causal=True,
+                      causal_alignment="bottom_right")[0]
+    if q_len > kv_len:  # The first q_len - kv_len rows see no key.
+      np.testing.assert_array_equal(np.asarray(out[:, :q_len - kv_len]), 0.0)
+
+  def test_bottom_right_with_lengths_and_soft_cap(self):
+    self._check(52, q_len=48, kv_len=64, is_causal=True,
+                causal_alignment="bottom_right", logits_soft_cap=5.0,
+                lengths=([48, 10], [64, 33]))
+
+  def test_bottom_right_equals_top_left_for_square_inputs(self):
+    q, k, v, _ = test_util.random_inputs(53, q_len=33, kv_len=33)
+    fn = lambda alignment: jflash.flash_attention(
+        q, k, v, is_causal=True, causal_alignment=alignment,
+        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS)
+    chex.assert_trees_all_equal(fn("bottom_right"), fn("top_left"))
+
+  def test_bottom_right_is_kv_cache_prefill(self):
+    # 8 new tokens after 24 cached ones: the new rows of full causal
+    # attention over all 32 tokens.
+    q, k, v, _ = test_util.random_inputs(54, q_len=32, kv_len=32)
+    full = jflash.flash_attention(q, k, v, is_causal=True,
+                                  interpret=self.INTERPRET)
+    prefill = jflash.flash_attention(q[:, 24:], k, v, is_causal=True,
+                                     causal_alignment="bottom_right",
+                                     interpret=self.INTERPRET)
+    chex.assert_trees_all_close(prefill, full[:, 24:], rtol=1e-5, atol=1e-5)
+
+  def test_bad_options(self):
+    q, k, v, _ = test_util.random_inputs(55, q_len=8, kv_len=8)
+    for cap in (0.0, -1.0, float("inf"), "1"):
+      with self.subTest(cap=cap), self.assertRaisesRegex(ValueError,
+                                                         "logits_soft_cap"):
+        jflash.flash_attention(q, k, v, logits_soft_cap=cap)
+    with self.assertRaisesRegex(ValueError, "causal_alignment"):
+      jflash.flash_attention(q, k, v, causal_alignment="top-left")
+
+
+if __name__ == "__main__":
+  absltest.main()
