@@ -39,7 +39,8 @@ def flash_attention(
     interpret: bool = False,
     logits_soft_cap: float | None = None,
     causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
-) -> jax.Array:
+    return_residuals: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
 
   Computes `softmax(scale * Q K^T) V` per head without storing the
@@ -89,9 +90,15 @@ def flash_attention(
       cap * tanh(logits / cap) before the softmax (Gemma 2), in both passes.
     causal_alignment: "top_left" (default, jax.nn) or "bottom_right"; only
       used with is_causal=True.
+    return_residuals: also return each row's natural-log log-sum-exp of its
+      (scaled, capped) logits, float32 [B, T, N] (jax.nn's layout), -inf
+      for rows with no visible key. It is differentiable, so partial
+      attentions over key shards can be merged (ring attention):
+      lse = logaddexp(lse_1, lse_2), out = sum_i out_i * exp(lse_i - lse).
 
   Returns:
-    Array of `query`'s shape and dtype.
+    Array of `query`'s shape and dtype; with return_residuals=True, the
+    tuple (output, lse).
 
   Raises:
     ValueError: on inconsistent shapes, ranks, dtypes, lengths or options,
@@ -113,6 +120,9 @@ def flash_attention(
     raise ValueError(f"is_causal must be a bool, got {is_causal!r}.")
   if not isinstance(interpret, (bool, np.bool_)):
     raise ValueError(f"interpret must be a bool, got {interpret!r}.")
+  if not isinstance(return_residuals, (bool, np.bool_)):
+    raise ValueError(
+        f"return_residuals must be a bool, got {return_residuals!r}.")
   if causal_alignment not in ("top_left", "bottom_right"):
     raise ValueError("causal_alignment must be 'top_left' or 'bottom_right'; "
                      f"got {causal_alignment!r}.")
@@ -136,9 +146,11 @@ def flash_attention(
                            batch, kv_seq)
   use_kernels = _choose_implementation(implementation, interpret, block_sizes)
 
+  lse = None
   if 0 in (batch, q_seq, kv_seq, num_heads):
     # Nothing to attend to (or nothing asked): every row is empty.
     out = jnp.zeros(query.shape, query.dtype)
+    lse = jnp.full((batch, q_seq, num_heads), -jnp.inf, jnp.float32)
   elif use_kernels:
     if block_sizes is None:
       shape = dict(q_len=q_seq, kv_len=kv_seq, head_dim=head_dim,
@@ -154,14 +166,22 @@ def flash_attention(
                           block_sizes=block_sizes, interpret=bool(interpret),
                           has_lengths=has_lengths, bottom_right=bottom_right,
                           logits_soft_cap=logits_soft_cap)
-    out = kernel_vjp.flash_attention_kernels(query, key, value, q_lens,
-                                             kv_lens, config)
+    if return_residuals:
+      out, lse = kernel_vjp.flash_attention_kernels_with_lse(
+          query, key, value, q_lens, kv_lens, config)
+    else:
+      out = kernel_vjp.flash_attention_kernels(query, key, value, q_lens,
+                                               kv_lens, config)
   else:
-    out = reference.attention_reference(
+    result = reference.attention_reference(
         query, key, value, q_lens, kv_lens, scale=scale,
         is_causal=bool(is_causal), bottom_right=bottom_right,
-        logits_soft_cap=logits_soft_cap)
-  return out[0] if unbatched else out
+        logits_soft_cap=logits_soft_cap, return_lse=bool(return_residuals))
+    out, lse = result if return_residuals else (result, None)
+  if unbatched:
+    out = out[0]
+    lse = None if lse is None else lse[0]
+  return (out, lse) if return_residuals else out
 
 
 def _check_operands(query, key, value):

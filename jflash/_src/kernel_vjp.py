@@ -15,6 +15,7 @@ Transforms:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 from jax import custom_batching
@@ -78,9 +79,14 @@ def _forward(q, k, v, q_lens, kv_lens, config: KernelConfig):
   return fold_vmap_into_batch(call)(q, k, v, q_lens, kv_lens)
 
 
-def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, dout):
+def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, dout,
+              dlse=None):
   delta = fold_vmap_into_batch(
       functools.partial(backward.delta_call, config=config))(out, dout)
+  if dlse is not None:
+    # d lse / d s_c = p_c, so lse's cotangent enters as a shift of delta:
+    # dS = p * (dP - delta) + p * dlse = p * (dP - (delta - dlse)).
+    delta = delta - dlse
   dk, dv = fold_vmap_into_batch(
       functools.partial(backward.dkv_call, config=config))(
           q, k, v, dout, lse, delta, q_lens, kv_lens)
@@ -90,29 +96,57 @@ def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, dout):
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def flash_attention_kernels(q, k, v, q_lens, kv_lens, config: KernelConfig):
-  """Attention through the Pallas kernels; shapes as `forward.forward_call`."""
-  out, _ = _forward(q, k, v, q_lens, kv_lens, config)
-  return out
+def natural_lse(lse2):
+  """Stored base-2 lse [B, N, T] -> natural-log lse [B, T, N] (jax.nn's).
+
+  Rows with no visible key: stored as +inf (see forward.py), returned as
+  log(0) = -inf.
+  """
+  lse = jnp.where(jnp.isinf(lse2), -jnp.inf, lse2 * math.log(2.0))
+  return jnp.swapaxes(lse, 1, 2)
 
 
-def _fwd_rule(q, k, v, q_lens, kv_lens, config: KernelConfig):
-  # Differentiating the forward rule happens only for higher-order
-  # derivatives: make that a clear error rather than a Pallas internal one.
-  forward_fn = _no_higher_order(
-      functools.partial(_forward, config=config), "the forward pass")
-  out, lse = forward_fn(q, k, v, q_lens, kv_lens)
-  return out, (q, k, v, out, lse, q_lens, kv_lens)
+def _make_kernels_vjp(with_lse: bool):
+  """The custom_vjp function, returning out or (out, natural lse)."""
+
+  def kernels(q, k, v, q_lens, kv_lens, config: KernelConfig):
+    out, lse2 = _forward(q, k, v, q_lens, kv_lens, config)
+    return (out, natural_lse(lse2)) if with_lse else out
+
+  kernels.__name__ = kernels.__qualname__ = (
+      "flash_attention_kernels_with_lse" if with_lse
+      else "flash_attention_kernels")
+  kernels = jax.custom_vjp(kernels, nondiff_argnums=(5,))
+
+  def fwd_rule(q, k, v, q_lens, kv_lens, config: KernelConfig):
+    # Differentiating the forward rule happens only for higher-order
+    # derivatives: make that a clear error rather than a Pallas internal one.
+    forward_fn = _no_higher_order(
+        functools.partial(_forward, config=config), "the forward pass")
+    out, lse2 = forward_fn(q, k, v, q_lens, kv_lens)
+    primal = (out, natural_lse(lse2)) if with_lse else out
+    return primal, (q, k, v, out, lse2, q_lens, kv_lens)
+
+  def bwd_rule(config: KernelConfig, residuals, cotangent):
+    q, k, v, out, lse2, q_lens, kv_lens = residuals
+    dlse = None
+    if with_lse:
+      dout, dlse = cotangent
+      # [B, T, N] -> [B, N, T]; rows without keys (p = 0) take no gradient.
+      dlse = jnp.where(jnp.isinf(lse2), 0.0, jnp.swapaxes(dlse, 1, 2))
+    else:
+      dout = cotangent
+    backward_fn = _no_higher_order(
+        functools.partial(_backward, config), "the backward pass")
+    dq, dk, dv = backward_fn(q, k, v, out, lse2, q_lens, kv_lens, dout, dlse)
+    # Lengths are integers: no cotangent.
+    return dq, dk, dv, None, None
+
+  kernels.defvjp(fwd_rule, bwd_rule)
+  return kernels
 
 
-def _bwd_rule(config: KernelConfig, residuals, dout):
-  q, k, v, out, lse, q_lens, kv_lens = residuals
-  backward_fn = _no_higher_order(
-      functools.partial(_backward, config), "the backward pass")
-  dq, dk, dv = backward_fn(q, k, v, out, lse, q_lens, kv_lens, dout)
-  # Lengths are integers: no cotangent.
-  return dq, dk, dv, None, None
-
-
-flash_attention_kernels.defvjp(_fwd_rule, _bwd_rule)
+# Attention through the Pallas kernels; shapes as `forward.forward_call`.
+flash_attention_kernels = _make_kernels_vjp(with_lse=False)
+# The same, also returning the natural-log lse [B, T, N], differentiable.
+flash_attention_kernels_with_lse = _make_kernels_vjp(with_lse=True)

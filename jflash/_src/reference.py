@@ -17,7 +17,8 @@ from jflash._src import tiles
 
 def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
                         is_causal: bool, bottom_right: bool = False,
-                        logits_soft_cap: float | None = None):
+                        logits_soft_cap: float | None = None,
+                        return_lse: bool = False):
   """Reference attention.
 
   Args:
@@ -31,9 +32,12 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
       bottom_right (c <= r + kv_len - q_len, per batch element).
     bottom_right: causal alignment, see above.
     logits_soft_cap: if set, logits become cap * tanh(logits / cap).
+    return_lse: also return the natural-log log-sum-exp of each row's
+      visible logits, float32 [batch, q_len, num_heads] (-inf for rows
+      with no visible key).
 
   Returns:
-    [batch, q_len, num_heads, head_dim] in q.dtype.
+    [batch, q_len, num_heads, head_dim] in q.dtype, and the lse if asked.
   """
   batch, q_seq, num_heads, head_dim = q.shape
   kv_seq, num_kv_heads = k.shape[1], k.shape[2]
@@ -56,7 +60,14 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   probs = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
   row_sum = jnp.sum(probs, axis=-1, keepdims=True)
-  probs = probs / jnp.where(row_sum > 0.0, row_sum, 1.0)
+  safe_sum = jnp.where(row_sum > 0.0, row_sum, 1.0)
+  probs = probs / safe_sum
   out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
-  return out.reshape(batch, q_seq, num_heads, head_dim).astype(q.dtype)
+  out = out.reshape(batch, q_seq, num_heads, head_dim).astype(q.dtype)
+  if not return_lse:
+    return out
+  lse = jnp.where(row_sum > 0.0, row_max + jnp.log(safe_sum), -jnp.inf)
+  # [batch, kv_heads, group, q_len, 1] -> [batch, q_len, num_heads].
+  lse = jnp.moveaxis(lse[..., 0], -1, 1).reshape(batch, q_seq, num_heads)
+  return out, lse

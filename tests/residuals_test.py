@@ -1,0 +1,95 @@
+"""return_residuals=True: the log-sum-exp, and its gradient."""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from tests import test_util
+
+
+class ResidualsTest(parameterized.TestCase):
+  INTERPRET = test_util.INTERPRET
+
+  def _flash(self, **kwargs):
+    return functools.partial(
+        jflash.flash_attention, implementation="triton",
+        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
+        return_residuals=True, **kwargs)
+
+  @parameterized.named_parameters(
+      ("plain", {}), ("causal_gqa", dict(is_causal=True)),
+      ("soft_cap_lengths", dict(
+          logits_soft_cap=3.0,
+          query_seq_lengths=jnp.array([40, 7], jnp.int32),
+          key_value_seq_lengths=jnp.array([0, 19], jnp.int32))))
+  def test_lse_and_its_gradient_match_the_reference(self, kwargs):
+    q, k, v, dout = test_util.random_inputs(60, q_len=40, kv_len=56,
+                                            num_heads=4, num_kv_heads=2)
+    dlse = jax.random.normal(jax.random.key(61), q.shape[:3])
+
+    def results(fn, *args):
+      (out, lse), vjp = jax.vjp(fn, *args)
+      return (out, lse, *vjp((dout.astype(out.dtype), dlse)))
+
+    ours = jax.jit(results, static_argnums=0)(self._flash(**kwargs), q, k, v)
+    reference = functools.partial(
+        jflash.flash_attention, implementation="xla", return_residuals=True,
+        **kwargs)
+    with jax.default_matmul_precision("highest"):
+      expected = jax.jit(results, static_argnums=0)(reference, q, k, v)
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, x, y in zip(names, ours, expected):
+      self.assertEqual(x.shape, y.shape, msg=name)
+      np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-5, err_msg=name)
+    self.assertEqual(ours[1].dtype, jnp.float32)
+    self.assertEqual(ours[1].shape, (2, 40, 4))
+    if "key_value_seq_lengths" in kwargs:  # Batch 0 sees no key.
+      np.testing.assert_array_equal(ours[1][0], -np.inf)
+      chex.assert_tree_all_finite(ours[2:])
+
+  def test_lse_matches_jax_nn_logsumexp(self):
+    q, k, v, _ = test_util.random_inputs(62, q_len=20, kv_len=30)
+    _, lse = self._flash(is_causal=True)(q, k, v)
+    logits = jnp.einsum("btnd,bsnd->btns", q, k) / np.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((20, 30), bool))[None, :, None, :]
+    expected = jax.nn.logsumexp(jnp.where(causal, logits, -jnp.inf), -1)
+    chex.assert_trees_all_close(lse, expected, rtol=1e-5, atol=1e-5)
+
+  def test_merging_key_shards_is_full_attention(self):
+    # Ring attention in miniature: two key shards, merged with their lse,
+    # give full attention, and gradients flow through the merge.
+    q, k, v, dout = test_util.random_inputs(63, q_len=24, kv_len=64)
+    flash = self._flash()
+
+    def merged(q, k, v):
+      out1, lse1 = flash(q, k[:, :32], v[:, :32])
+      out2, lse2 = flash(q, k[:, 32:], v[:, 32:])
+      lse = jnp.logaddexp(lse1, lse2)[..., None]
+      return (out1 * jnp.exp(lse1[..., None] - lse)
+              + out2 * jnp.exp(lse2[..., None] - lse))
+
+    full = lambda q, k, v: jflash.flash_attention(
+        q, k, v, interpret=self.INTERPRET)
+    chex.assert_trees_all_close(
+        jax.jit(test_util.value_and_grads, static_argnums=0)(
+            merged, q, k, v, dout),
+        jax.jit(test_util.value_and_grads, static_argnums=0)(
+            full, q, k, v, dout), rtol=2e-5, atol=2e-5)
+
+  def test_unbatched_and_empty(self):
+    q, k, v, _ = test_util.random_inputs(64, batch=1, q_len=8, kv_len=8)
+    out, lse = self._flash()(q[0], k[0], v[0])
+    self.assertEqual((out.shape, lse.shape), (q.shape[1:], (8, 2)))
+    out, lse = jflash.flash_attention(q, k[:, :0], v[:, :0],
+                                      return_residuals=True)
+    np.testing.assert_array_equal(lse, -np.inf)
+
+
+if __name__ == "__main__":
+  absltest.main()
