@@ -154,6 +154,23 @@ class NnxTest(parameterized.TestCase):
                                 stock(x, is_causal=True).astype(jnp.float32),
                                 rtol=0.05, atol=0.05)
 
+  def test_soft_cap_matches_the_function(self):
+    _, ours = self._pair()
+    capped = jflash.nnx.FlashMultiHeadAttention(
+        num_heads=4, in_features=FEATURES, decode=False, logits_soft_cap=0.5,
+        interpret=self.INTERPRET, rngs=nnx.Rngs(1))
+    nnx.update(capped, nnx.state(ours, nnx.Param))
+    x = _inputs(13)
+    q, k, v = ours.query(x), ours.key(x), ours.value(x)
+    expected = ours.out(jflash.flash_attention(
+        q, k, v, is_causal=True, logits_soft_cap=0.5, implementation="xla"))
+    chex.assert_trees_all_close(
+        nnx.jit(lambda m, x: m(x, is_causal=True))(capped, x), expected,
+        rtol=2e-5, atol=2e-5)
+    # The cap changes the result (0.5 is far below these logits).
+    self.assertGreater(float(jnp.max(jnp.abs(ours(x, is_causal=True)
+                                             - expected))), 1e-3)
+
   def test_unsupported_options_raise(self):
     _, ours = self._pair()
     x = _inputs(11)

@@ -71,6 +71,7 @@ def flax_attention(
     dropout_rate=0.0, deterministic=True, module=None, dtype=None,
     query_seq_lengths=None, key_value_seq_lengths=None,
     implementation=None, block_sizes=None, interpret=False,
+    logits_soft_cap=None,
 ):
   """jflash attention for Flax layouts: [batch..., seq, heads, head_dim].
 
@@ -130,7 +131,8 @@ def flax_attention(
       _flatten_batch(key, num_batch_dims),
       _flatten_batch(value, num_batch_dims),
       is_causal=is_causal, implementation=implementation,
-      block_sizes=block_sizes, interpret=interpret, **lengths)
+      block_sizes=block_sizes, interpret=interpret,
+      logits_soft_cap=logits_soft_cap, **lengths)
   return out.reshape(query.shape)
 
 
@@ -139,6 +141,7 @@ def make_attention_fn(
     implementation: str | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    logits_soft_cap: float | None = None,
 ) -> Callable[..., jax.Array]:
   """Returns an `attention_fn` for Flax's attention modules.
 
@@ -153,6 +156,7 @@ def make_attention_fn(
     implementation: as in `jflash.flash_attention`.
     block_sizes: as in `jflash.flash_attention`.
     interpret: as in `jflash.flash_attention`.
+    logits_soft_cap: as in `jflash.flash_attention`.
 
   Returns:
     A function with Flax's `dot_product_attention` signature. `precision` is
@@ -189,6 +193,6 @@ def make_attention_fn(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal,
         dropout_rate=dropout_rate, deterministic=deterministic, module=module,
         dtype=dtype, implementation=implementation, block_sizes=block_sizes,
-        interpret=interpret)
+        interpret=interpret, logits_soft_cap=logits_soft_cap)
 
   return attention_fn

@@ -20,7 +20,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   Same fields and the same parameter tree (`query`, `key`, `value`, `out`,
   and `query_ln` / `key_ln` with `normalize_qk`) as the stock module, so
   variables move between the two unchanged; plus jflash's `implementation`,
-  `block_sizes` and `interpret`.
+  `block_sizes`, `interpret` and `logits_soft_cap`.
 
   Differences from the stock module:
   - `__call__` also takes `is_causal` and `query_seq_lengths` /
@@ -36,6 +36,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   implementation: str | None = None
   block_sizes: BlockSizes | None = None
   interpret: bool = False
+  logits_soft_cap: float | None = None
 
   @nn.compact
   def __call__(
@@ -148,7 +149,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         dtype=self.dtype, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         implementation=self.implementation, block_sizes=self.block_sizes,
-        interpret=self.interpret)
+        interpret=self.interpret, logits_soft_cap=self.logits_soft_cap)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1),
         kernel_init=self.out_kernel_init or self.kernel_init,

@@ -19,7 +19,8 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
   (num_heads, in_features, qkv_features, out_features, num_kv_heads, dtype,
   param_dtype, initializers, use_bias, normalize_qk, decode, rngs, ...) and
   creates exactly the same parameters, so a state moves between the two
-  unchanged; plus jflash's `implementation`, `block_sizes` and `interpret`.
+  unchanged; plus jflash's `implementation`, `block_sizes`, `interpret` and
+  `logits_soft_cap` (see `jflash.flash_attention`).
 
   Differences from the stock module:
   - `__call__` also takes `query_seq_lengths` / `key_value_seq_lengths`
@@ -46,6 +47,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       implementation: str | None = None,
       block_sizes: BlockSizes | None = None,
       interpret: bool = False,
+      logits_soft_cap: float | None = None,
       **kwargs: Any,
   ):
     if "attention_fn" in kwargs:
@@ -59,11 +61,12 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
         in_kv_features,
         attention_fn=flax_adapter.make_attention_fn(
             implementation=implementation, block_sizes=block_sizes,
-            interpret=interpret),
+            interpret=interpret, logits_soft_cap=logits_soft_cap),
         **kwargs)
     self.implementation = implementation
     self.block_sizes = block_sizes
     self.interpret = interpret
+    self.logits_soft_cap = logits_soft_cap
 
   def __call__(
       self,
@@ -156,7 +159,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
         dtype=self.dtype, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         implementation=self.implementation, block_sizes=self.block_sizes,
-        interpret=self.interpret)
+        interpret=self.interpret, logits_soft_cap=self.logits_soft_cap)
     return self.out(x, out_sharding=out_sharding)
 
   def _resolve_deterministic(self, deterministic: bool | None) -> bool:
