@@ -34,6 +34,7 @@ def flash_attention(
     is_causal: bool = False,
     query_seq_lengths: jax.typing.ArrayLike | None = None,
     key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
     implementation: Literal["triton", "xla"] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
@@ -77,6 +78,10 @@ def flash_attention(
     is_causal: apply the top-left causal mask.
     query_seq_lengths: integer [B]: rows t >= length output 0.
     key_value_seq_lengths: integer [B]: keys s >= length are masked out.
+    local_window_size: as in jax.nn: (left, right), or one int for both;
+      row t sees keys s with t - left <= s <= t + right (around the shifted
+      diagonal with causal_alignment="bottom_right"). Key tiles outside the
+      band are never visited.
     implementation: "triton" for the Pallas-Triton kernels (a CUDA GPU, or
       any machine with `interpret=True`); "xla" for the pure-JAX path (it
       materializes the attention matrix); None picks "triton" on a CUDA GPU
@@ -127,6 +132,7 @@ def flash_attention(
     raise ValueError("causal_alignment must be 'top_left' or 'bottom_right'; "
                      f"got {causal_alignment!r}.")
   bottom_right = bool(is_causal) and causal_alignment == "bottom_right"
+  window = _check_window(local_window_size)
   if logits_soft_cap is not None:
     soft_cap = _check_scale(logits_soft_cap, 1, name="logits_soft_cap")
     if soft_cap <= 0.0:
@@ -165,7 +171,7 @@ def flash_attention(
     config = KernelConfig(scale=scale, is_causal=bool(is_causal),
                           block_sizes=block_sizes, interpret=bool(interpret),
                           has_lengths=has_lengths, bottom_right=bottom_right,
-                          logits_soft_cap=logits_soft_cap)
+                          logits_soft_cap=logits_soft_cap, window=window)
     if return_residuals:
       out, lse = kernel_vjp.flash_attention_kernels_with_lse(
           query, key, value, q_lens, kv_lens, config)
@@ -176,7 +182,8 @@ def flash_attention(
     result = reference.attention_reference(
         query, key, value, q_lens, kv_lens, scale=scale,
         is_causal=bool(is_causal), bottom_right=bottom_right,
-        logits_soft_cap=logits_soft_cap, return_lse=bool(return_residuals))
+        logits_soft_cap=logits_soft_cap, window=window,
+        return_lse=bool(return_residuals))
     out, lse = result if return_residuals else (result, None)
   if unbatched:
     out = out[0]
@@ -238,6 +245,21 @@ def _check_scale(scale, head_dim: int, name: str = "scale") -> float:
   if not math.isfinite(value):
     raise ValueError(f"{name} must be finite; got {scale!r}.")
   return value
+
+
+def _check_window(local_window_size) -> tuple[int, int] | None:
+  """Validates local_window_size; returns (left, right) or None."""
+  if local_window_size is None:
+    return None
+  window = local_window_size
+  if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+    window = (window, window)
+  if (not isinstance(window, (tuple, list)) or len(window) != 2
+      or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool)
+                 and w >= 0 for w in window)):
+    raise ValueError("local_window_size must be a non-negative int or a pair "
+                     f"(left, right) of them; got {local_window_size!r}.")
+  return int(window[0]), int(window[1])
 
 
 def _check_lengths(lengths, name: str, batch: int, seq_len: int):

@@ -92,8 +92,8 @@ def dkv_kernel(
                       head_dim=head_dim)
   v = tiles.load_tile(v_ref, k_start, block_k, seq_len=kv_seq,
                       head_dim=head_dim)
-  blocks = masks.query_blocks_for_key_block(
-      mask, k_start, block_k, block_q, q_len, kv_len, offset)
+  blocks = masks.query_blocks(mask, k_start, block_k, block_q, q_len, kv_len,
+                              offset)
 
   def step(q_tile_index, carry, *, head, needs_mask: bool):
     dk, dv = carry
@@ -119,12 +119,11 @@ def dkv_kernel(
     return dk, dv
 
   def head_step(head, carry):
-    carry = lax.fori_loop(
-        blocks.start, blocks.split,
-        functools.partial(step, head=head, needs_mask=True), carry)
-    return lax.fori_loop(
-        blocks.split, blocks.stop,
-        functools.partial(step, head=head, needs_mask=False), carry)
+    for lo, hi, needs_mask in blocks.segments():
+      carry = lax.fori_loop(
+          lo, hi, functools.partial(step, head=head, needs_mask=needs_mask),
+          carry)
+    return carry
 
   zeros = jnp.zeros((block_k, k_ref.shape[-1]), jnp.float32)
   dk, dv = lax.fori_loop(0, group, head_step, (zeros, zeros))
@@ -170,13 +169,12 @@ def dq_kernel(
     dlogits = _score_gradient(probs, capped, dprobs, delta)
     return dq + tiles.matmul(dlogits.astype(k.dtype), k)
 
-  blocks = masks.key_blocks_for_query_block(
-      mask, q_start, block_q, block_k, q_len, kv_len, offset)
+  blocks = masks.key_blocks(mask, q_start, block_q, block_k, q_len, kv_len,
+                            offset)
   dq = jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32)
-  dq = lax.fori_loop(blocks.start, blocks.split,
-                     functools.partial(step, needs_mask=False), dq)
-  dq = lax.fori_loop(blocks.split, blocks.stop,
-                     functools.partial(step, needs_mask=True), dq)
+  for lo, hi, needs_mask in blocks.segments():
+    dq = lax.fori_loop(lo, hi, functools.partial(step, needs_mask=needs_mask),
+                       dq)
   tiles.store_tile(dq_ref, q_start, dq * scale, seq_len=q_seq,
                    head_dim=head_dim)
 

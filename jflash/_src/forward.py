@@ -42,12 +42,13 @@ class KernelConfig:
   has_lengths: bool = True
   bottom_right: bool = False
   logits_soft_cap: float | None = None
+  window: tuple[int, int] | None = None
 
   @property
   def mask(self) -> masks.MaskSpec:
     return masks.MaskSpec(is_causal=self.is_causal,
                           has_lengths=self.has_lengths,
-                          bottom_right=self.bottom_right)
+                          bottom_right=self.bottom_right, window=self.window)
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -100,17 +101,16 @@ def forward_kernel(
     acc = acc * correction[:, None] + tiles.matmul(probs.astype(v.dtype), v)
     return acc, new_max, row_sum
 
-  blocks = masks.key_blocks_for_query_block(
-      mask, q_start, block_q, block_k, q_len, kv_len, offset)
+  blocks = masks.key_blocks(mask, q_start, block_q, block_k, q_len, kv_len,
+                            offset)
   carry = (
       jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
       jnp.full((block_q,), tiles.MASK_VALUE, jnp.float32),
       jnp.zeros((block_q,), jnp.float32),
   )
-  carry = lax.fori_loop(blocks.start, blocks.split,
-                        functools.partial(step, needs_mask=False), carry)
-  carry = lax.fori_loop(blocks.split, blocks.stop,
-                        functools.partial(step, needs_mask=True), carry)
+  for lo, hi, needs_mask in blocks.segments():
+    carry = lax.fori_loop(
+        lo, hi, functools.partial(step, needs_mask=needs_mask), carry)
   acc, row_max, row_sum = carry
 
   # A row has a visible key iff its sum is positive (masked probabilities are

@@ -35,6 +35,9 @@ class MaskSpec:
       (query row r sees keys c <= r, jax.nn's convention), True for
       bottom-right (c <= r + kv_len - q_len, FlashAttention's and KV-cache
       prefill's convention; rows with r + kv_len - q_len < 0 see nothing).
+    window: (left, right) local window, as jax.nn's local_window_size: row r
+      sees keys r + offset - left <= c <= r + offset + right (offset as for
+      the causal mask). None: no window.
     has_lengths: whether per-batch lengths were given. Without them the
       lengths are the static array lengths, and every loop bound that does not
       depend on the program id is a compile-time constant (Triton pipelines
@@ -44,6 +47,7 @@ class MaskSpec:
   is_causal: bool
   has_lengths: bool = True
   bottom_right: bool = False
+  window: tuple[int, int] | None = None
 
 
 def load_lengths(mask: MaskSpec, q_len_ref, kv_len_ref, q_seq: int,
@@ -118,6 +122,11 @@ def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len,
   if mask.is_causal:
     limit = rows if _is_zero(offset) else rows + offset
     result = jnp.logical_and(result, cols <= limit)
+  if mask.window is not None:
+    left, right = mask.window
+    diagonal = rows if _is_zero(offset) else rows + offset
+    result = jnp.logical_and(result, cols >= diagonal - left)
+    result = jnp.logical_and(result, cols <= diagonal + right)
   return result
 
 
@@ -133,9 +142,15 @@ class BlockRange:
   start: jax.Array
   split: jax.Array
   stop: jax.Array
+  masked_first: bool = False
+
+  def segments(self):
+    """[(lo, hi, needs_mask)] in visiting order."""
+    return [(self.start, self.split, self.masked_first),
+            (self.split, self.stop, not self.masked_first)]
 
 
-def _block_range(start, split, stop) -> BlockRange:
+def _block_range(start, split, stop, masked_first: bool) -> BlockRange:
   """Bounds that are all Python ints, or all int32 scalars.
 
   A loop with constant bounds becomes a constant-trip-count loop; one with a
@@ -144,10 +159,11 @@ def _block_range(start, split, stop) -> BlockRange:
   for-loop by the Pallas Triton lowering (it lost pipelining in the forward,
   and failed to lower inside the dK/dV kernel's loop over GQA heads).
   """
-  if _static(start, split, stop):
-    return BlockRange(start=start, split=split, stop=stop)
-  start, split, stop = (jnp.asarray(x, jnp.int32) for x in (start, split, stop))
-  return BlockRange(start=start, split=split, stop=stop)
+  if not _static(start, split, stop):
+    start, split, stop = (jnp.asarray(x, jnp.int32)
+                          for x in (start, split, stop))
+  return BlockRange(start=start, split=split, stop=stop,
+                    masked_first=masked_first)
 
 
 def key_blocks_for_query_block(
@@ -186,7 +202,7 @@ def key_blocks_for_query_block(
     # lengths the grid holds no such tile.)
     stop = _select(q_start < q_len, stop, 0)
   split = _minimum(_div(full_end, block_k), stop)
-  return _block_range(0, split, stop)
+  return _block_range(0, split, stop, masked_first=False)
 
 
 def query_blocks_for_key_block(
@@ -232,4 +248,107 @@ def query_blocks_for_key_block(
   split = jnp.clip(split, start, stop)
   start = jnp.where(k_start < kv_len, start, stop)
   split = jnp.maximum(split, start)
-  return _block_range(start, split, stop)
+  return _block_range(start, split, stop, masked_first=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowedRange:
+  """Tiles to visit with a local window: masked, unmasked, masked.
+
+  `[start, full_start)` and `[full_end, stop)` are cut by the mask;
+  `[full_start, full_end)` is fully visible. Tiles outside `[start, stop)`
+  are never visited.
+  """
+
+  start: jax.Array
+  full_start: jax.Array
+  full_end: jax.Array
+  stop: jax.Array
+
+  def segments(self):
+    """[(lo, hi, needs_mask)] in visiting order."""
+    return [(self.start, self.full_start, True),
+            (self.full_start, self.full_end, False),
+            (self.full_end, self.stop, True)]
+
+
+def _windowed_range(any_start, any_end, full_start, full_end, size: int,
+                    empty) -> WindowedRange:
+  """Tile range from element ranges [any_start, any_end) (seen by some) and
+  [full_start, full_end) (seen by all); `empty`: nothing to visit."""
+  clamp = lambda x: jnp.maximum(x, 0)
+  start = lax.div(clamp(any_start), size)
+  stop = jnp.maximum(_cdiv(clamp(any_end), size), start)
+  stop = jnp.where(empty, start, stop)
+  first_full = jnp.clip(_cdiv(clamp(full_start), size), start, stop)
+  end_full = jnp.clip(lax.div(clamp(full_end), size), first_full, stop)
+  return WindowedRange(start=start, full_start=first_full,
+                       full_end=end_full, stop=stop)
+
+
+def _window_bounds(mask: MaskSpec):
+  """(left, right) reach of a row around its diagonal, causal included."""
+  left, right = mask.window
+  return left, (min(right, 0) if mask.is_causal else right)
+
+
+def key_blocks_windowed(mask: MaskSpec, q_start, block_q: int, block_k: int,
+                        q_len, kv_len, offset=0) -> WindowedRange:
+  """Key tiles of a query tile under a local window (forward and dQ).
+
+  Row r sees columns [r + offset - left, r + offset + right] within
+  [0, kv_len): the tile's rows together see [q_start + offset - left,
+  q_start + block_q - 1 + offset + right], and every row sees
+  [q_start + block_q - 1 + offset - left, q_start + offset + right].
+  """
+  left, right = _window_bounds(mask)
+  q_start = jnp.asarray(q_start, jnp.int32)
+  diagonal = q_start + offset
+  last_diagonal = diagonal + block_q - 1
+  empty = q_start >= q_len if mask.has_lengths else jnp.bool_(False)
+  return _windowed_range(
+      any_start=diagonal - left,
+      any_end=jnp.minimum(last_diagonal + right + 1, kv_len),
+      full_start=last_diagonal - left,
+      full_end=jnp.minimum(diagonal + right + 1, kv_len),
+      size=block_k, empty=empty)
+
+
+def query_blocks_windowed(mask: MaskSpec, k_start, block_k: int,
+                          block_q: int, q_len, kv_len,
+                          offset=0) -> WindowedRange:
+  """Query tiles of a key tile under a local window (dK/dV).
+
+  Row r sees column c iff c - offset - right <= r <= c - offset + left. A
+  key tile that crosses kv_len is masked everywhere; one past it is skipped.
+  """
+  left, right = _window_bounds(mask)
+  last_col = k_start + block_k - 1
+  crosses_end = k_start + block_k > kv_len
+  full_end = jnp.minimum(k_start - offset + left + 1, q_len)
+  return _windowed_range(
+      any_start=k_start - offset - right,
+      any_end=jnp.minimum(last_col - offset + left + 1, q_len),
+      full_start=last_col - offset - right,
+      full_end=jnp.where(crosses_end, 0, full_end),
+      size=block_q, empty=k_start >= kv_len)
+
+
+def key_blocks(mask: MaskSpec, q_start, block_q: int, block_k: int, q_len,
+               kv_len, offset=0):
+  """Key tiles of a query tile: a BlockRange, or a WindowedRange."""
+  if mask.window is None:
+    return key_blocks_for_query_block(mask, q_start, block_q, block_k, q_len,
+                                      kv_len, offset)
+  return key_blocks_windowed(mask, q_start, block_q, block_k, q_len, kv_len,
+                             offset)
+
+
+def query_blocks(mask: MaskSpec, k_start, block_k: int, block_q: int, q_len,
+                 kv_len, offset=0):
+  """Query tiles of a key tile: a BlockRange, or a WindowedRange."""
+  if mask.window is None:
+    return query_blocks_for_key_block(mask, k_start, block_k, block_q, q_len,
+                                      kv_len, offset)
+  return query_blocks_windowed(mask, k_start, block_k, block_q, q_len,
+                               kv_len, offset)

@@ -18,6 +18,7 @@ from jflash._src import tiles
 def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
                         is_causal: bool, bottom_right: bool = False,
                         logits_soft_cap: float | None = None,
+                        window: tuple[int, int] | None = None,
                         return_lse: bool = False):
   """Reference attention.
 
@@ -32,6 +33,8 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
       bottom_right (c <= r + kv_len - q_len, per batch element).
     bottom_right: causal alignment, see above.
     logits_soft_cap: if set, logits become cap * tanh(logits / cap).
+    window: (left, right): row r sees keys within [r - left, r + right]
+      around its (causally aligned) diagonal, as jax.nn's local_window_size.
     return_lse: also return the natural-log log-sum-exp of each row's
       visible logits, float32 [batch, q_len, num_heads] (-inf for rows
       with no visible key).
@@ -51,9 +54,12 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   rows = jnp.arange(q_seq)[:, None]
   cols = jnp.arange(kv_seq)[None, :]
   visible = cols[None] < kv_lens[:, None, None]
+  offset = (kv_lens - q_lens)[:, None, None] if bottom_right else 0
   if is_causal:
-    offset = (kv_lens - q_lens)[:, None, None] if bottom_right else 0
     visible = jnp.logical_and(visible, cols <= rows + offset)
+  if window is not None:
+    visible = jnp.logical_and(visible, cols >= rows + offset - window[0])
+    visible = jnp.logical_and(visible, cols <= rows + offset + window[1])
   visible = jnp.logical_and(visible, rows[None] < q_lens[:, None, None])
   visible = visible[:, None, None]  # [batch, 1, 1, q_len, kv_len]
   logits = jnp.where(visible, logits, tiles.MASK_VALUE)
