@@ -171,6 +171,25 @@ class NnxTest(parameterized.TestCase):
     self.assertGreater(float(jnp.max(jnp.abs(ours(x, is_causal=True)
                                              - expected))), 1e-3)
 
+  def test_sliding_window_decode_matches_full_attention(self):
+    _, ours = self._pair(num_kv_heads=2)
+    windowed = jflash.nnx.FlashMultiHeadAttention(
+        num_heads=4, in_features=FEATURES, num_kv_heads=2, decode=False,
+        local_window_size=(3, 0), interpret=self.INTERPRET,
+        rngs=nnx.Rngs(1))
+    nnx.update(windowed, nnx.state(ours, nnx.Param))
+    x = _inputs(14, length=10)
+    full = nnx.jit(lambda m, x: m(x, is_causal=True))(windowed, x)
+    q, k, v = ours.query(x), ours.key(x), ours.value(x)
+    expected = ours.out(jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=(3, 0)))
+    chex.assert_trees_all_close(full, expected, rtol=2e-5, atol=2e-5)
+    windowed.init_cache(x.shape)
+    step = nnx.jit(lambda m, token: m(token, decode=True))
+    steps = [step(windowed, x[:, t:t + 1]) for t in range(10)]
+    chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), full,
+                                rtol=2e-5, atol=2e-5)
+
   def test_unsupported_options_raise(self):
     _, ours = self._pair()
     x = _inputs(11)

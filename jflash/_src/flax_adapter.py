@@ -23,6 +23,18 @@ from jflash._src import api
 from jflash._src.block_sizes import BlockSizes
 
 
+def decode_step_masking(local_window_size) -> dict[str, Any]:
+  """Mask options of a one-token decode step over a cache.
+
+  The step's key lengths (index + 1) already hide the unwritten slots. With a
+  local window, the window must be centred on the new token's own position
+  (the cache's last valid slot), which bottom-right causal alignment does.
+  """
+  if local_window_size is None:
+    return dict(is_causal=False)
+  return dict(is_causal=True, causal_alignment="bottom_right")
+
+
 def append_to_cache(cached_key, cached_value, index, key, value):
   """One decode step: writes each batch element's new key/value at its index.
 
@@ -71,7 +83,7 @@ def flax_attention(
     dropout_rate=0.0, deterministic=True, module=None, dtype=None,
     query_seq_lengths=None, key_value_seq_lengths=None,
     implementation=None, block_sizes=None, interpret=False,
-    logits_soft_cap=None,
+    logits_soft_cap=None, local_window_size=None, causal_alignment="top_left",
 ):
   """jflash attention for Flax layouts: [batch..., seq, heads, head_dim].
 
@@ -132,7 +144,8 @@ def flax_attention(
       _flatten_batch(value, num_batch_dims),
       is_causal=is_causal, implementation=implementation,
       block_sizes=block_sizes, interpret=interpret,
-      logits_soft_cap=logits_soft_cap, **lengths)
+      logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
+      causal_alignment=causal_alignment, **lengths)
   return out.reshape(query.shape)
 
 
@@ -142,6 +155,7 @@ def make_attention_fn(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     logits_soft_cap: float | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
 ) -> Callable[..., jax.Array]:
   """Returns an `attention_fn` for Flax's attention modules.
 
@@ -157,6 +171,7 @@ def make_attention_fn(
     block_sizes: as in `jflash.flash_attention`.
     interpret: as in `jflash.flash_attention`.
     logits_soft_cap: as in `jflash.flash_attention`.
+    local_window_size: as in `jflash.flash_attention`.
 
   Returns:
     A function with Flax's `dot_product_attention` signature. `precision` is
@@ -193,6 +208,7 @@ def make_attention_fn(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal,
         dropout_rate=dropout_rate, deterministic=deterministic, module=module,
         dtype=dtype, implementation=implementation, block_sizes=block_sizes,
-        interpret=interpret, logits_soft_cap=logits_soft_cap)
+        interpret=interpret, logits_soft_cap=logits_soft_cap,
+        local_window_size=local_window_size)
 
   return attention_fn

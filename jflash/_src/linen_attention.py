@@ -20,7 +20,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   Same fields and the same parameter tree (`query`, `key`, `value`, `out`,
   and `query_ln` / `key_ln` with `normalize_qk`) as the stock module, so
   variables move between the two unchanged; plus jflash's `implementation`,
-  `block_sizes`, `interpret` and `logits_soft_cap`.
+  `block_sizes`, `interpret`, `logits_soft_cap` and `local_window_size`.
 
   Differences from the stock module:
   - `__call__` also takes `is_causal` and `query_seq_lengths` /
@@ -37,6 +37,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   block_sizes: BlockSizes | None = None
   interpret: bool = False
   logits_soft_cap: float | None = None
+  local_window_size: int | tuple[int, int] | None = None
 
   @nn.compact
   def __call__(
@@ -118,6 +119,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       query = layer_norm(name="query_ln")(query)
       key = layer_norm(name="key_ln")(key)
 
+    masking = dict(is_causal=is_causal)
     if self.decode:
       initialized = self.has_variable("cache", "cached_key")
       cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape,
@@ -136,7 +138,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
             value)
         cached_key.value, cached_value.value = key, value
         cache_index.value = key_value_seq_lengths
-        is_causal = False
+        masking = flax_adapter.decode_step_masking(self.local_window_size)
 
     if self.dropout_rate > 0.0:
       deterministic = merge_param("deterministic", self.deterministic,
@@ -144,12 +146,13 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     else:
       deterministic = True
     x = flax_adapter.flax_attention(
-        query, key, value, mask=mask, is_causal=is_causal,
+        query, key, value, mask=mask, **masking,
         dropout_rate=self.dropout_rate, deterministic=deterministic,
         dtype=self.dtype, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         implementation=self.implementation, block_sizes=self.block_sizes,
-        interpret=self.interpret, logits_soft_cap=self.logits_soft_cap)
+        interpret=self.interpret, logits_soft_cap=self.logits_soft_cap,
+        local_window_size=self.local_window_size)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1),
         kernel_init=self.out_kernel_init or self.kernel_init,

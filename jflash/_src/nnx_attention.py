@@ -19,8 +19,10 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
   (num_heads, in_features, qkv_features, out_features, num_kv_heads, dtype,
   param_dtype, initializers, use_bias, normalize_qk, decode, rngs, ...) and
   creates exactly the same parameters, so a state moves between the two
-  unchanged; plus jflash's `implementation`, `block_sizes`, `interpret` and
-  `logits_soft_cap` (see `jflash.flash_attention`).
+  unchanged; plus jflash's `implementation`, `block_sizes`, `interpret`,
+  `logits_soft_cap` and `local_window_size` (see `jflash.flash_attention`).
+  In decode steps the window applies to the cached positions: the new token
+  at position p sees [p - left, p].
 
   Differences from the stock module:
   - `__call__` also takes `query_seq_lengths` / `key_value_seq_lengths`
@@ -48,6 +50,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       block_sizes: BlockSizes | None = None,
       interpret: bool = False,
       logits_soft_cap: float | None = None,
+      local_window_size: int | tuple[int, int] | None = None,
       **kwargs: Any,
   ):
     if "attention_fn" in kwargs:
@@ -61,12 +64,14 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
         in_kv_features,
         attention_fn=flax_adapter.make_attention_fn(
             implementation=implementation, block_sizes=block_sizes,
-            interpret=interpret, logits_soft_cap=logits_soft_cap),
+            interpret=interpret, logits_soft_cap=logits_soft_cap,
+            local_window_size=local_window_size),
         **kwargs)
     self.implementation = implementation
     self.block_sizes = block_sizes
     self.interpret = interpret
     self.logits_soft_cap = logits_soft_cap
+    self.local_window_size = local_window_size
 
   def __call__(
       self,
@@ -150,16 +155,19 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
         raise ValueError("key_value_seq_lengths cannot be given in decode "
                          "mode: the cache's cache_index sets them.")
       key, value, key_value_seq_lengths = self._append_to_cache(key, value)
-      is_causal = False
+      masking = flax_adapter.decode_step_masking(self.local_window_size)
+    else:
+      masking = dict(is_causal=is_causal)
 
     deterministic = self._resolve_deterministic(deterministic)
     x = flax_adapter.flax_attention(
-        query, key, value, mask=mask, is_causal=is_causal,
+        query, key, value, mask=mask, **masking,
         dropout_rate=self.dropout_rate, deterministic=deterministic,
         dtype=self.dtype, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         implementation=self.implementation, block_sizes=self.block_sizes,
-        interpret=self.interpret, logits_soft_cap=self.logits_soft_cap)
+        interpret=self.interpret, logits_soft_cap=self.logits_soft_cap,
+        local_window_size=self.local_window_size)
     return self.out(x, out_sharding=out_sharding)
 
   def _resolve_deterministic(self, deterministic: bool | None) -> bool:
