@@ -134,7 +134,7 @@ def flash_attention(
   bottom_right = bool(is_causal) and causal_alignment == "bottom_right"
   window = _check_window(local_window_size)
   if logits_soft_cap is not None:
-    soft_cap = _check_scale(logits_soft_cap, 1, name="logits_soft_cap")
+    soft_cap = _check_static_float(logits_soft_cap, "logits_soft_cap")
     if soft_cap <= 0.0:
       raise ValueError(f"logits_soft_cap must be positive; got "
                        f"{logits_soft_cap!r}.")
@@ -145,7 +145,8 @@ def flash_attention(
     query, key, value = query[None], key[None], value[None]
   batch, q_seq, num_heads, head_dim = query.shape
   kv_seq = key.shape[1]
-  scale = _check_scale(scale, head_dim)
+  scale = (1.0 / math.sqrt(head_dim) if scale is None
+           else _check_static_float(scale, "scale"))
   q_lens = _check_lengths(query_seq_lengths, "query_seq_lengths", batch,
                           q_seq)
   kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
@@ -230,21 +231,19 @@ def _check_operands(query, key, value):
     raise ValueError(f"head_dim must be positive; got {shapes}.")
 
 
-def _check_scale(scale, head_dim: int, name: str = "scale") -> float:
-  """A static, finite float option (`scale` defaults to 1/sqrt(head_dim))."""
-  if scale is None:
-    return 1.0 / math.sqrt(head_dim)
-  if isinstance(scale, (str, bytes, bool)):
-    raise ValueError(f"{name} must be a Python float; got {scale!r}.")
+def _check_static_float(value, name: str) -> float:
+  """A float option known at trace time (kernels are compiled for it)."""
+  if isinstance(value, (str, bytes, bool)):
+    raise ValueError(f"{name} must be a Python float; got {value!r}.")
   try:
-    value = float(scale)
+    result = float(value)
   except (TypeError, jax.errors.ConcretizationTypeError) as e:
     raise ValueError(
-        f"{name} must be a Python float known at trace time; got {scale!r}."
+        f"{name} must be a Python float known at trace time; got {value!r}."
     ) from e
-  if not math.isfinite(value):
-    raise ValueError(f"{name} must be finite; got {scale!r}.")
-  return value
+  if not math.isfinite(result):
+    raise ValueError(f"{name} must be finite; got {value!r}.")
+  return result
 
 
 def _check_window(local_window_size) -> tuple[int, int] | None:

@@ -1,7 +1,10 @@
 """The kernels bound as one differentiable function through `jax.custom_vjp`.
 
-Residuals saved by the forward rule: q, k, v, the output O and the base-2
-log-sum-exp (float32 [batch, num_heads, q_len]); nothing of size seq x seq.
+Two entry points share the rules: `flash_attention_kernels` (the output) and
+`flash_attention_kernels_with_lse` (output and natural-log lse, both
+differentiable). Residuals saved by the forward rule: q, k, v, the output O
+and the base-2 log-sum-exp (float32 [batch, num_heads, q_len]); nothing of
+size seq x seq.
 
 Transforms:
 - `vmap`: each kernel launch is wrapped with `fold_vmap_into_batch`, which

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 from flax import linen as nn
 from flax.linen.module import merge_param
