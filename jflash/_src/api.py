@@ -41,6 +41,8 @@ def flash_attention(
     logits_soft_cap: float | None = None,
     causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
     return_residuals: bool = False,
+    q_segment_ids: jax.typing.ArrayLike | None = None,
+    kv_segment_ids: jax.typing.ArrayLike | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
 
@@ -63,10 +65,24 @@ def flash_attention(
       x . . .     x x x .
       x x . .     x x x x
 
-  Rows with no visible key (t >= query_seq_lengths[b], or
-  key_value_seq_lengths[b] == 0) output exactly 0 and pass zero gradients.
-  jax.nn also zeroes rows past query_seq_lengths, but gives rows with
-  key_value_seq_lengths == 0 the mean of all values; jflash gives 0.
+  Packed sequences: with `q_segment_ids` and `kv_segment_ids`, query t of
+  batch element b sees key s only if q_segment_ids[b, t] ==
+  kv_segment_ids[b, s], on top of every other mask (causal, window, lengths;
+  positions are those of the packed arrays, so a causal mask applies within
+  each segment when each segment's queries and keys sit at the same
+  positions). The kernels never visit a key tile whose segment ids cannot
+  equal any of a query tile's: per query tile (and per key tile in the
+  dK/dV kernel), the range of tiles of the other axis whose [min, max]
+  id intervals meet its own is computed on the host (cheap XLA, per batch
+  element) and intersected with the causal, window and length bounds. The
+  range is the exact first and last meeting tile when ids are sorted along
+  the sequence (the usual packing) and a safe superset otherwise.
+
+  Rows with no visible key (t >= query_seq_lengths[b],
+  key_value_seq_lengths[b] == 0, outside every window, or whose segment has
+  no key) output exactly 0 and pass zero gradients. jax.nn also zeroes rows
+  past query_seq_lengths, but gives other rows without a visible key the
+  mean of all values; jflash gives 0.
 
   Args:
     query: [B, T, N, H] or unbatched [T, N, H].
@@ -100,6 +116,11 @@ def flash_attention(
       for rows with no visible key. It is differentiable, so partial
       attentions over key shards can be merged (ring attention):
       lse = logaddexp(lse_1, lse_2), out = sum_i out_i * exp(lse_i - lse).
+    q_segment_ids: integer [B, T] ([T] for unbatched inputs), the segment of
+      each query of packed sequences (only equality matters; compared as
+      int32). Must be given together with `kv_segment_ids`.
+    kv_segment_ids: integer [B, S] ([S] for unbatched inputs), the segment
+      of each key/value.
 
   Returns:
     Array of `query`'s shape and dtype; with return_residuals=True, the
@@ -140,9 +161,11 @@ def flash_attention(
                        f"{logits_soft_cap!r}.")
     logits_soft_cap = soft_cap
 
+  segment_ids = _check_segment_ids(q_segment_ids, kv_segment_ids, query, key)
   unbatched = query.ndim == 3
   if unbatched:
     query, key, value = query[None], key[None], value[None]
+    segment_ids = tuple(ids[None] for ids in segment_ids)
   batch, q_seq, num_heads, head_dim = query.shape
   kv_seq = key.shape[1]
   scale = (1.0 / math.sqrt(head_dim) if scale is None
@@ -172,19 +195,20 @@ def flash_attention(
     config = KernelConfig(scale=scale, is_causal=bool(is_causal),
                           block_sizes=block_sizes, interpret=bool(interpret),
                           has_lengths=has_lengths, bottom_right=bottom_right,
-                          logits_soft_cap=logits_soft_cap, window=window)
+                          logits_soft_cap=logits_soft_cap, window=window,
+                          has_segments=bool(segment_ids))
     if return_residuals:
       out, lse = kernel_vjp.flash_attention_kernels_with_lse(
-          query, key, value, q_lens, kv_lens, config)
+          query, key, value, q_lens, kv_lens, segment_ids, config)
     else:
       out = kernel_vjp.flash_attention_kernels(query, key, value, q_lens,
-                                               kv_lens, config)
+                                               kv_lens, segment_ids, config)
   else:
     result = reference.attention_reference(
         query, key, value, q_lens, kv_lens, scale=scale,
         is_causal=bool(is_causal), bottom_right=bottom_right,
         logits_soft_cap=logits_soft_cap, window=window,
-        return_lse=bool(return_residuals))
+        segment_ids=segment_ids or None, return_lse=bool(return_residuals))
     out, lse = result if return_residuals else (result, None)
   if unbatched:
     out = out[0]
@@ -259,6 +283,42 @@ def _check_window(local_window_size) -> tuple[int, int] | None:
     raise ValueError("local_window_size must be a non-negative int or a pair "
                      f"(left, right) of them; got {local_window_size!r}.")
   return int(window[0]), int(window[1])
+
+
+def _check_segment_ids(q_segment_ids, kv_segment_ids, query, key):
+  """Validates segment ids; returns () or the int32 pair (q_ids, kv_ids).
+
+  Shapes are those of the (possibly unbatched) operands: [B, T] and [B, S],
+  or [T] and [S].
+  """
+  if q_segment_ids is None and kv_segment_ids is None:
+    return ()
+  if q_segment_ids is None or kv_segment_ids is None:
+    given, missing = (("q_segment_ids", "kv_segment_ids")
+                      if kv_segment_ids is None
+                      else ("kv_segment_ids", "q_segment_ids"))
+    shape = jnp.shape(q_segment_ids if kv_segment_ids is None
+                      else kv_segment_ids)
+    raise ValueError(f"{given} (shape {shape}) was given without {missing}; "
+                     "pass both or neither.")
+  result = []
+  for name, ids, operand, axis in (
+      ("q_segment_ids", q_segment_ids, query, "T"),
+      ("kv_segment_ids", kv_segment_ids, key, "S")):
+    ids = jnp.asarray(ids)
+    expected = operand.shape[:-2]
+    dims = "[B, T]" if query.ndim == 4 else "[T]"
+    dims = dims.replace("T", axis)
+    if ids.shape != expected:
+      raise ValueError(
+          f"{name} must have shape {dims} = {expected}; got "
+          f"{name}.shape={ids.shape} (query.shape={query.shape}, "
+          f"key.shape={key.shape}).")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array; got "
+                       f"{name}.dtype={ids.dtype}.")
+    result.append(ids.astype(jnp.int32))
+  return tuple(result)
 
 
 def _check_lengths(lengths, name: str, batch: int, seq_len: int):

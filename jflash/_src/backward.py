@@ -13,6 +13,11 @@ from q, k and the forward's base-2 log-sum-exp (see forward.py). Three launches:
 Every output element is written by exactly one program and no atomics are
 used, so gradients are bitwise deterministic.
 
+The tiles each program visits and the element-wise mask come from `masks.py`,
+exactly as in the forward. With segment ids, a key tile (dK/dV) visits only
+the query tiles its segments can meet and a query tile (dQ) only such key
+tiles, from per-tile ranges computed on the host for each kernel's tiles.
+
 With p = softmax(scale * q.k) and dP = dO.V^T, the logit gradient is
 dS = p * (dP - delta), and dQ = scale * dS.K, dK = scale * dS^T.Q,
 dV = p^T.dO.
@@ -47,8 +52,10 @@ def delta_kernel(o_ref, do_ref, delta_ref, *, block_q: int, head_dim: int):
 
 
 def _probabilities(q, k, lse, *, scale, soft_cap, rows, k_start, block_k,
-                   mask, kv_len, offset, needs_mask):
+                   mask, kv_len, offset, needs_mask, q_ids=None, kv_ids=None):
   """Recomputes p = 2^(s2 - lse2) for one [block_q, block_k] tile.
+
+  q_ids, kv_ids: the tile's segment ids, as in `masks.visible`.
 
   Returns (p, tanh) with tanh as in `tiles.logits_base2` (None without cap).
   """
@@ -57,8 +64,9 @@ def _probabilities(q, k, lse, *, scale, soft_cap, rows, k_start, block_k,
   probs = jnp.exp2(logits - lse[:, None])
   if needs_mask:
     cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
-    probs = jnp.where(masks.visible(mask, rows, cols, kv_len, offset), probs,
-                      0.0)
+    seen = masks.visible(mask, rows, cols, kv_len, offset, q_ids=q_ids,
+                         kv_ids=kv_ids)
+    probs = jnp.where(seen, probs, 0.0)
   return probs, capped
 
 
@@ -72,12 +80,13 @@ def _score_gradient(probs, capped, dprobs, delta):
 
 def dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
-    dk_ref, dv_ref,
-    *, mask: masks.MaskSpec, scale: float, soft_cap: float | None,
+    *refs,  # With segments, their four inputs (masks.SegmentRefs); outputs.
+    mask: masks.MaskSpec, scale: float, soft_cap: float | None,
     block_q: int, block_k: int, head_dim: int, group: int,
 ):
   # q_ref, do_ref: [q_seq, group, head_dim_p]; lse_ref, delta_ref:
   # [group, q_seq]; k_ref, v_ref, dk_ref, dv_ref: [kv_seq, head_dim_p].
+  segments, (dk_ref, dv_ref) = masks.split_segment_refs(mask, refs)
   k_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   # Lengths are always read from memory here, never static: see
@@ -93,12 +102,18 @@ def dkv_kernel(
   v = tiles.load_tile(v_ref, k_start, block_k, seq_len=kv_seq,
                       head_dim=head_dim)
   blocks = masks.query_blocks(mask, k_start, block_k, block_q, q_len, kv_len,
-                              offset)
+                              offset, segments)
+  kv_ids = None
+  if segments is not None:
+    kv_ids = masks.load_ids(segments.kv_ids, k_start, block_k)[None, :]
 
   def step(q_tile_index, carry, *, head, needs_mask: bool):
     dk, dv = carry
     q_start = q_tile_index * block_q
     rows = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
+    q_ids = None
+    if segments is not None:
+      q_ids = masks.load_ids(segments.q_ids, q_start, block_q)[:, None]
     q = tiles.load_tile(q_ref, q_start, block_q, seq_len=q_seq,
                         head_dim=head_dim, group_index=head)
     do = tiles.load_tile(do_ref, q_start, block_q, seq_len=q_seq,
@@ -111,7 +126,7 @@ def dkv_kernel(
     probs, capped = _probabilities(
         q, k, lse, scale=scale, soft_cap=soft_cap, rows=rows,
         k_start=k_start, block_k=block_k, mask=mask, kv_len=kv_len,
-        offset=offset, needs_mask=needs_mask)
+        offset=offset, needs_mask=needs_mask, q_ids=q_ids, kv_ids=kv_ids)
     dv = dv + tiles.matmul(probs.astype(do.dtype), do, trans_a=True)
     dprobs = tiles.matmul(do, v, trans_b=True)
     dlogits = _score_gradient(probs, capped, dprobs, delta)
@@ -134,10 +149,11 @@ def dkv_kernel(
 
 def dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
-    dq_ref,
-    *, mask: masks.MaskSpec, scale: float, soft_cap: float | None,
+    *refs,  # With segments, their four inputs (masks.SegmentRefs); dQ.
+    mask: masks.MaskSpec, scale: float, soft_cap: float | None,
     block_q: int, block_k: int, head_dim: int,
 ):
+  segments, (dq_ref,) = masks.split_segment_refs(mask, refs)
   q_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
@@ -153,9 +169,15 @@ def dq_kernel(
                              other=jnp.inf)
   delta = tiles.load_row_stats(delta_ref, q_start, block_q, seq_len=q_seq,
                                other=0.0)
+  q_ids = None
+  if segments is not None:
+    q_ids = masks.load_ids(segments.q_ids, q_start, block_q)[:, None]
 
   def step(k_tile_index, dq, *, needs_mask: bool):
     k_start = k_tile_index * block_k
+    kv_ids = None
+    if segments is not None:
+      kv_ids = masks.load_ids(segments.kv_ids, k_start, block_k)[None, :]
     seq_len = kv_seq if needs_mask else None
     k = tiles.load_tile(k_ref, k_start, block_k, seq_len=seq_len,
                         head_dim=head_dim)
@@ -164,13 +186,13 @@ def dq_kernel(
     probs, capped = _probabilities(
         q, k, lse, scale=scale, soft_cap=soft_cap, rows=rows,
         k_start=k_start, block_k=block_k, mask=mask, kv_len=kv_len,
-        offset=offset, needs_mask=needs_mask)
+        offset=offset, needs_mask=needs_mask, q_ids=q_ids, kv_ids=kv_ids)
     dprobs = tiles.matmul(do, v, trans_b=True)
     dlogits = _score_gradient(probs, capped, dprobs, delta)
     return dq + tiles.matmul(dlogits.astype(k.dtype), k)
 
   blocks = masks.key_blocks(mask, q_start, block_q, block_k, q_len, kv_len,
-                            offset)
+                            offset, segments)
   dq = jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32)
   for lo, hi, needs_mask in blocks.segments():
     dq = lax.fori_loop(lo, hi, functools.partial(step, needs_mask=needs_mask),
@@ -202,9 +224,13 @@ def delta_call(o, do, *, config: KernelConfig):
   )(o, do)
 
 
-def dkv_call(q, k, v, do, lse, delta, q_lens, kv_lens, *,
-             config: KernelConfig):
-  """dK and dV, each [batch, kv_len, num_kv_heads, head_dim] in k.dtype."""
+def dkv_call(q, k, v, do, lse, delta, q_lens, kv_lens, q_ids=None,
+             kv_ids=None, *, config: KernelConfig):
+  """dK and dV, each [batch, kv_len, num_kv_heads, head_dim] in k.dtype.
+
+  q_ids, kv_ids: int32 segment ids [batch, q_len] and [batch, kv_len]; only
+  with config.has_segments.
+  """
   batch, q_seq, num_heads, head_dim = q.shape
   kv_seq, num_kv_heads = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
@@ -223,24 +249,31 @@ def dkv_call(q, k, v, do, lse, delta, q_lens, kv_lens, *,
       dkv_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
       block_k=block_k, head_dim=head_dim, group=group)
+  num_k_tiles = pl.cdiv(kv_seq, block_k)
+  inputs = [q, k, v, do, lse, delta, q_lens, kv_lens]
+  in_specs = [q_group_spec, kv_spec, kv_spec, q_group_spec, stats_group_spec,
+              stats_group_spec, lengths_spec, lengths_spec]
+  if config.has_segments:
+    # Per key tile, the query tiles its segments can meet.
+    inputs += [q_ids, kv_ids, *masks.segment_tile_ranges(
+        kv_ids, kv_lens, block_k, q_ids, q_lens, block_q)]
+    in_specs += masks.segment_specs(q_seq, kv_seq, num_k_tiles)
   return pl.pallas_call(
       kernel,
-      grid=(pl.cdiv(kv_seq, block_k), batch, num_kv_heads),
-      in_specs=[q_group_spec, kv_spec, kv_spec, q_group_spec,
-                stats_group_spec, stats_group_spec, lengths_spec,
-                lengths_spec],
+      grid=(num_k_tiles, batch, num_kv_heads),
+      in_specs=in_specs,
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_compiler_params(config),
       interpret=config.interpret,
       name="jflash_dkv",
-  )(q, k, v, do, lse, delta, q_lens, kv_lens)
+  )(*inputs)
 
 
-def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *,
-            config: KernelConfig):
-  """dQ, [batch, q_len, num_heads, head_dim] in q.dtype."""
+def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, q_ids=None,
+            kv_ids=None, *, config: KernelConfig):
+  """dQ, [batch, q_len, num_heads, head_dim] in q.dtype; ids as dkv_call."""
   batch, q_seq, num_heads, head_dim = q.shape
   kv_seq, num_kv_heads = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
@@ -257,14 +290,21 @@ def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *,
       dq_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
       block_k=block_k, head_dim=head_dim)
+  num_q_tiles = pl.cdiv(q_seq, block_q)
+  inputs = [q, k, v, do, lse, delta, q_lens, kv_lens]
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, stats_spec, stats_spec,
+              lengths_spec, lengths_spec]
+  if config.has_segments:
+    inputs += [q_ids, kv_ids, *masks.segment_tile_ranges(
+        q_ids, q_lens, block_q, kv_ids, kv_lens, block_k)]
+    in_specs += masks.segment_specs(q_seq, kv_seq, num_q_tiles)
   return pl.pallas_call(
       kernel,
-      grid=(pl.cdiv(q_seq, block_q), batch, num_heads),
-      in_specs=[q_spec, kv_spec, kv_spec, q_spec, stats_spec, stats_spec,
-                lengths_spec, lengths_spec],
+      grid=(num_q_tiles, batch, num_heads),
+      in_specs=in_specs,
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=_compiler_params(config),
       interpret=config.interpret,
       name="jflash_dq",
-  )(q, k, v, do, lse, delta, q_lens, kv_lens)
+  )(*inputs)

@@ -11,8 +11,14 @@ key/value head h // (num_heads // num_kv_heads); K/V are never repeated.
 Outputs: O in the input dtype and the per-row log-sum-exp in fp32, in base 2
 of the scaled logits: lse2 = log2(sum_c 2^(scale * log2(e) * q.k_c)). It is
 the only statistic the backward needs (p = 2^(s2 - lse2)). A row that sees no
-key at all (past q_len, or kv_len == 0) gets O = 0 and lse2 = +inf, which
-makes every probability the backward recomputes for it exactly 0.
+key at all (past q_len, kv_len == 0, outside every window, or with no key
+of its segment) gets O = 0 and lse2 = +inf, which makes every probability the
+backward recomputes for it exactly 0.
+
+Masks (causal, window, lengths, segments) come from `masks.py`: the key tiles
+a query tile visits and the element-wise predicate inside the cut ones. With
+segment ids, a query tile visits only the key tiles its segments can meet
+(a per-tile range computed on the host) and masks all of them.
 """
 
 from __future__ import annotations
@@ -43,12 +49,14 @@ class KernelConfig:
   bottom_right: bool = False
   logits_soft_cap: float | None = None
   window: tuple[int, int] | None = None
+  has_segments: bool = False
 
   @property
   def mask(self) -> masks.MaskSpec:
     return masks.MaskSpec(is_causal=self.is_causal,
                           has_lengths=self.has_lengths,
-                          bottom_right=self.bottom_right, window=self.window)
+                          bottom_right=self.bottom_right, window=self.window,
+                          has_segments=self.has_segments)
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -58,10 +66,11 @@ def head_dim_padded(head_dim: int) -> int:
 # FlashAttention-2 (Dao, 2023), Algorithm 1, one query tile per program.
 def forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,  # Inputs.
-    o_ref, lse_ref,  # Outputs.
-    *, mask: masks.MaskSpec, scale: float, soft_cap: float | None,
+    *refs,  # With segments, their four inputs (masks.SegmentRefs); outputs.
+    mask: masks.MaskSpec, scale: float, soft_cap: float | None,
     block_q: int, block_k: int, head_dim: int,
 ):
+  segments, (o_ref, lse_ref) = masks.split_segment_refs(mask, refs)
   q_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
@@ -73,6 +82,9 @@ def forward_kernel(
   q = tiles.load_tile(
       q_ref, q_start, block_q, head_dim=head_dim,
       seq_len=q_seq if q_seq % block_q else None)
+  q_ids = None
+  if segments is not None:
+    q_ids = masks.load_ids(segments.q_ids, q_start, block_q)[:, None]
   # Logits are kept in base 2: exp(scale * x) == exp2(scale * log2(e) * x).
 
   def step(k_tile_index, carry, *, needs_mask: bool):
@@ -88,7 +100,11 @@ def forward_kernel(
                                    scale=scale, soft_cap=soft_cap)
     if needs_mask:
       cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
-      seen = masks.visible(mask, rows, cols, kv_len, offset)
+      kv_ids = None
+      if segments is not None:
+        kv_ids = masks.load_ids(segments.kv_ids, k_start, block_k)[None, :]
+      seen = masks.visible(mask, rows, cols, kv_len, offset, q_ids=q_ids,
+                           kv_ids=kv_ids)
       logits = jnp.where(seen, logits, tiles.MASK_VALUE)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
     probs = jnp.exp2(logits - new_max[:, None])
@@ -102,7 +118,7 @@ def forward_kernel(
     return acc, new_max, row_sum
 
   blocks = masks.key_blocks(mask, q_start, block_q, block_k, q_len, kv_len,
-                            offset)
+                            offset, segments)
   carry = (
       jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
       jnp.full((block_q,), tiles.MASK_VALUE, jnp.float32),
@@ -123,7 +139,8 @@ def forward_kernel(
   tiles.store_row_stats(lse_ref, q_start, lse, seq_len=q_seq)
 
 
-def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
+def forward_call(q, k, v, q_lens, kv_lens, q_ids=None, kv_ids=None, *,
+                 config: KernelConfig):
   """Launches the forward kernel.
 
   Args:
@@ -132,6 +149,8 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
     v: [batch, kv_len, num_kv_heads, head_dim].
     q_lens: int32 [batch], valid query rows per batch element, in [0, q_len].
     kv_lens: int32 [batch], valid keys per batch element, in [0, kv_len].
+    q_ids: int32 [batch, q_len] segment ids; only with config.has_segments.
+    kv_ids: int32 [batch, kv_len] segment ids; as q_ids.
     config: static kernel configuration.
 
   Returns:
@@ -155,10 +174,17 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
                          lambda i, b, h: (b, 0, h // group, 0))
   lengths_spec = pl.BlockSpec((batch,), lambda i, b, h: (0,))
   lse_spec = pl.BlockSpec((None, None, q_seq), lambda i, b, h: (b, h, 0))
+  num_q_tiles = pl.cdiv(q_seq, block_q)
+  inputs = [q, k, v, q_lens, kv_lens]
+  in_specs = [q_spec, kv_spec, kv_spec, lengths_spec, lengths_spec]
+  if config.has_segments:
+    inputs += [q_ids, kv_ids, *masks.segment_tile_ranges(
+        q_ids, q_lens, block_q, kv_ids, kv_lens, block_k)]
+    in_specs += masks.segment_specs(q_seq, kv_seq, num_q_tiles)
   return pl.pallas_call(
       kernel,
-      grid=(pl.cdiv(q_seq, block_q), batch, num_heads),
-      in_specs=[q_spec, kv_spec, kv_spec, lengths_spec, lengths_spec],
+      grid=(num_q_tiles, batch, num_heads),
+      in_specs=in_specs,
       out_specs=[q_spec, lse_spec],
       out_shape=[
           jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -169,4 +195,4 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
           num_stages=config.block_sizes.num_stages),
       interpret=config.interpret,
       name="jflash_forward",
-  )(q, k, v, q_lens, kv_lens)
+  )(*inputs)

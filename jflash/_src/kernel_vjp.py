@@ -3,8 +3,8 @@
 Two entry points share the rules: `flash_attention_kernels` (the output) and
 `flash_attention_kernels_with_lse` (output and natural-log lse, both
 differentiable). Residuals saved by the forward rule: q, k, v, the output O
-and the base-2 log-sum-exp (float32 [batch, num_heads, q_len]); nothing of
-size seq x seq.
+and the base-2 log-sum-exp (float32 [batch, num_heads, q_len]), plus the
+integer lengths and segment ids; nothing of size seq x seq.
 
 Transforms:
 - `vmap`: each kernel launch is wrapped with `fold_vmap_into_batch`, which
@@ -77,13 +77,13 @@ def _no_higher_order(fn, what: str):
   return wrapped
 
 
-def _forward(q, k, v, q_lens, kv_lens, config: KernelConfig):
+def _forward(q, k, v, q_lens, kv_lens, *segment_ids, config: KernelConfig):
   call = functools.partial(forward.forward_call, config=config)
-  return fold_vmap_into_batch(call)(q, k, v, q_lens, kv_lens)
+  return fold_vmap_into_batch(call)(q, k, v, q_lens, kv_lens, *segment_ids)
 
 
 def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, dout,
-              dlse=None):
+              dlse=None, segment_ids=()):
   delta = fold_vmap_into_batch(
       functools.partial(backward.delta_call, config=config))(out, dout)
   if dlse is not None:
@@ -92,10 +92,10 @@ def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, dout,
     delta = delta - dlse
   dk, dv = fold_vmap_into_batch(
       functools.partial(backward.dkv_call, config=config))(
-          q, k, v, dout, lse, delta, q_lens, kv_lens)
+          q, k, v, dout, lse, delta, q_lens, kv_lens, *segment_ids)
   dq = fold_vmap_into_batch(
       functools.partial(backward.dq_call, config=config))(
-          q, k, v, dout, lse, delta, q_lens, kv_lens)
+          q, k, v, dout, lse, delta, q_lens, kv_lens, *segment_ids)
   return dq, dk, dv
 
 
@@ -110,28 +110,33 @@ def natural_lse(lse2):
 
 
 def _make_kernels_vjp(with_lse: bool):
-  """The custom_vjp function, returning out or (out, natural lse)."""
+  """The custom_vjp function, returning out or (out, natural lse).
 
-  def kernels(q, k, v, q_lens, kv_lens, config: KernelConfig):
-    out, lse2 = _forward(q, k, v, q_lens, kv_lens, config)
+  Its `segment_ids` argument is () without segments, else the pair
+  (q_ids, kv_ids) of int32 [batch, q_len] and [batch, kv_len] arrays.
+  """
+
+  def kernels(q, k, v, q_lens, kv_lens, segment_ids, config: KernelConfig):
+    out, lse2 = _forward(q, k, v, q_lens, kv_lens, *segment_ids,
+                         config=config)
     return (out, natural_lse(lse2)) if with_lse else out
 
   kernels.__name__ = kernels.__qualname__ = (
       "flash_attention_kernels_with_lse" if with_lse
       else "flash_attention_kernels")
-  kernels = jax.custom_vjp(kernels, nondiff_argnums=(5,))
+  kernels = jax.custom_vjp(kernels, nondiff_argnums=(6,))
 
-  def fwd_rule(q, k, v, q_lens, kv_lens, config: KernelConfig):
+  def fwd_rule(q, k, v, q_lens, kv_lens, segment_ids, config: KernelConfig):
     # Differentiating the forward rule happens only for higher-order
     # derivatives: make that a clear error rather than a Pallas internal one.
     forward_fn = _no_higher_order(
         functools.partial(_forward, config=config), "the forward pass")
-    out, lse2 = forward_fn(q, k, v, q_lens, kv_lens)
+    out, lse2 = forward_fn(q, k, v, q_lens, kv_lens, *segment_ids)
     primal = (out, natural_lse(lse2)) if with_lse else out
-    return primal, (q, k, v, out, lse2, q_lens, kv_lens)
+    return primal, (q, k, v, out, lse2, q_lens, kv_lens, segment_ids)
 
   def bwd_rule(config: KernelConfig, residuals, cotangent):
-    q, k, v, out, lse2, q_lens, kv_lens = residuals
+    q, k, v, out, lse2, q_lens, kv_lens, segment_ids = residuals
     dlse = None
     if with_lse:
       dout, dlse = cotangent
@@ -141,9 +146,10 @@ def _make_kernels_vjp(with_lse: bool):
       dout = cotangent
     backward_fn = _no_higher_order(
         functools.partial(_backward, config), "the backward pass")
-    dq, dk, dv = backward_fn(q, k, v, out, lse2, q_lens, kv_lens, dout, dlse)
-    # Lengths are integers: no cotangent.
-    return dq, dk, dv, None, None
+    dq, dk, dv = backward_fn(q, k, v, out, lse2, q_lens, kv_lens, dout, dlse,
+                             segment_ids)
+    # Lengths and segment ids are integers: no cotangent.
+    return dq, dk, dv, None, None, None
 
   kernels.defvjp(fwd_rule, bwd_rule)
   return kernels

@@ -19,6 +19,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
                         is_causal: bool, bottom_right: bool = False,
                         logits_soft_cap: float | None = None,
                         window: tuple[int, int] | None = None,
+                        segment_ids: tuple[jax.Array, jax.Array] | None = None,
                         return_lse: bool = False):
   """Reference attention.
 
@@ -35,6 +36,8 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     logits_soft_cap: if set, logits become cap * tanh(logits / cap).
     window: (left, right): row r sees keys within [r - left, r + right]
       around its (causally aligned) diagonal, as jax.nn's local_window_size.
+    segment_ids: (q_ids int32 [batch, q_len], kv_ids int32 [batch, kv_len]):
+      row r sees key c only if q_ids[b, r] == kv_ids[b, c].
     return_lse: also return the natural-log log-sum-exp of each row's
       visible logits, float32 [batch, q_len, num_heads] (-inf for rows
       with no visible key).
@@ -60,6 +63,10 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   if window is not None:
     visible = jnp.logical_and(visible, cols >= rows + offset - window[0])
     visible = jnp.logical_and(visible, cols <= rows + offset + window[1])
+  if segment_ids is not None:
+    q_ids, kv_ids = segment_ids
+    visible = jnp.logical_and(visible,
+                              q_ids[:, :, None] == kv_ids[:, None, :])
   visible = jnp.logical_and(visible, rows[None] < q_lens[:, None, None])
   visible = visible[:, None, None]  # [batch, 1, 1, q_len, kv_len]
   logits = jnp.where(visible, logits, tiles.MASK_VALUE)
