@@ -88,8 +88,17 @@ def flash_attention(
     query: [B, T, N, H] or unbatched [T, N, H].
     key: [B, S, K, H] or [S, K, H]; N must be a multiple of K.
     value: same shape and dtype as `key`.
-    bias: not supported yet; must be None.
-    mask: not supported yet; must be None (use `is_causal` and the lengths).
+    bias: as jax.nn: floating, broadcastable to [B, N, T, S] (rank <= 4,
+      missing leading axes are 1); added to the logits in natural units
+      after the soft cap: logits = cap(scale * q.k) + bias. Differentiable:
+      its gradient is summed over the axes it broadcasts along, by a
+      dedicated kernel that never forms a [B, N, T, S] array when the bias is
+      broadcast over batch or heads. Size-1 T or S axes are broadcast
+      before the kernels ([Bb, Nb, T, S]).
+    mask: as jax.nn: boolean, True = attend, broadcastable to [B, N, T, S];
+      combined (AND) with every other mask. Its tiles are read inside the
+      kernels; it is never used to skip tiles (use is_causal, the lengths,
+      local_window_size or segment ids for masks that should save work).
     scale: logit scale, a Python float; default 1 / sqrt(H).
     is_causal: apply the top-left causal mask.
     query_seq_lengths: integer [B]: rows t >= length output 0.
@@ -130,18 +139,13 @@ def flash_attention(
     ValueError: on inconsistent shapes, ranks, dtypes, lengths or options,
       before any kernel runs.
     NotImplementedError: for valid options the kernels do not support yet
-      (bias, mask, head dim > 256, dtypes other than float32 / bfloat16 /
-      float16) and for higher-order derivatives.
+      (head dim > 256, dtypes other than float32 / bfloat16 / float16,
+      `vmap` of a call with bias or mask) and for higher-order derivatives.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   _check_operands(query, key, value)
-  if bias is not None:
-    raise NotImplementedError(
-        "flash_attention: `bias` is not supported yet; pass bias=None.")
-  if mask is not None:
-    raise NotImplementedError(
-        "flash_attention: a dense `mask` is not supported yet; use "
-        "is_causal, query_seq_lengths and key_value_seq_lengths.")
+  bias = _check_dense(bias, "bias", query, key)
+  mask = _check_dense(mask, "mask", query, key)
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"is_causal must be a bool, got {is_causal!r}.")
   if not isinstance(interpret, (bool, np.bool_)):
@@ -196,19 +200,23 @@ def flash_attention(
                           block_sizes=block_sizes, interpret=bool(interpret),
                           has_lengths=has_lengths, bottom_right=bottom_right,
                           logits_soft_cap=logits_soft_cap, window=window,
-                          has_segments=bool(segment_ids))
-    if return_residuals:
-      out, lse = kernel_vjp.flash_attention_kernels_with_lse(
-          query, key, value, q_lens, kv_lens, segment_ids, config)
-    else:
-      out = kernel_vjp.flash_attention_kernels(query, key, value, q_lens,
-                                               kv_lens, segment_ids, config)
+                          has_segments=bool(segment_ids),
+                          has_bias=bias is not None,
+                          has_dense_mask=mask is not None)
+    # Masks travel as int8 (the kernels compare bytes).
+    dense_mask = None if mask is None else mask.astype(jnp.int8)
+    kernels = (kernel_vjp.flash_attention_kernels_with_lse
+               if return_residuals else kernel_vjp.flash_attention_kernels)
+    result = kernels(query, key, value, q_lens, kv_lens, segment_ids, bias,
+                     dense_mask, config)
+    out, lse = result if return_residuals else (result, None)
   else:
     result = reference.attention_reference(
         query, key, value, q_lens, kv_lens, scale=scale,
         is_causal=bool(is_causal), bottom_right=bottom_right,
         logits_soft_cap=logits_soft_cap, window=window,
-        segment_ids=segment_ids or None, return_lse=bool(return_residuals))
+        segment_ids=segment_ids or None, bias=bias, mask=mask,
+        return_lse=bool(return_residuals))
     out, lse = result if return_residuals else (result, None)
   if unbatched:
     out = out[0]
@@ -283,6 +291,37 @@ def _check_window(local_window_size) -> tuple[int, int] | None:
     raise ValueError("local_window_size must be a non-negative int or a pair "
                      f"(left, right) of them; got {local_window_size!r}.")
   return int(window[0]), int(window[1])
+
+
+def _check_dense(operand, name: str, query, key):
+  """Validates `bias` or `mask`; returns None or [Bb, Nb, T, S].
+
+  As jax.nn: rank <= 4, leading axes added as size 1, each axis 1 or the
+  operands' (B, N, T, S) (B = 1 for unbatched operands). Size-1 query or key
+  axes are broadcast here (materializing [Bb, Nb, T, S]); batch and head
+  axes never are (the kernels index them).
+  """
+  if operand is None:
+    return None
+  operand = jnp.asarray(operand)
+  batch = query.shape[0] if query.ndim == 4 else 1
+  full = (batch, query.shape[-2], query.shape[-3], key.shape[-3])
+  shapes = (f"{name}.shape={operand.shape}, query.shape={query.shape}, "
+            f"key.shape={key.shape}")
+  if operand.ndim > 4:
+    raise ValueError(f"{name} must have at most 4 dimensions, broadcastable "
+                     f"to [B, N, T, S] = {full}; got {shapes}.")
+  operand = operand.reshape((1,) * (4 - operand.ndim) + operand.shape)
+  if any(d not in (1, f) for d, f in zip(operand.shape, full)):
+    raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = {full} "
+                     f"(each axis 1 or full); got {shapes}.")
+  if name == "mask" and operand.dtype != jnp.bool_:
+    raise ValueError(f"mask must be a boolean array (True = attend); got "
+                     f"mask.dtype={operand.dtype}.")
+  if name == "bias" and not jnp.issubdtype(operand.dtype, jnp.floating):
+    raise ValueError(f"bias must be a floating-point array; got "
+                     f"bias.dtype={operand.dtype}.")
+  return jnp.broadcast_to(operand, operand.shape[:2] + full[2:])
 
 
 def _check_segment_ids(q_segment_ids, kv_segment_ids, query, key):

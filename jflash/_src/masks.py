@@ -7,6 +7,7 @@ A query row `r` sees key column `c` when
                                                  kv_len - q_len bottom-right)
     and (no window or r + offset - left <= c <= r + offset + right)
     and (no segments or q_ids[r] == kv_ids[c])  (packed sequences)
+    and (no dense mask or mask[r, c])           (jax.nn's `mask`)
 
 Rows `r >= q_len` see nothing. The same predicate decides, per tile, which
 tiles are visited at all (loop bounds) and which tiles need the element-wise
@@ -17,7 +18,8 @@ Segments (`MaskSpec.has_segments`) cannot be bounded from a few scalars like
 the other masks: the host computes, per tile, the range of tiles of the other
 axis that its segment ids can meet (`segment_tile_ranges`, plain XLA), the
 kernels read it (`SegmentRefs`) and intersect it with the causal, window and
-length bounds. Every visited tile is then masked element-wise.
+length bounds. Every visited tile is then masked element-wise, as it is with
+a dense mask (whose tiles are read, never used to skip work).
 
 All bounds are computed inside kernels from traced `int32` scalars, so they
 use `lax.div` and `jnp.minimum` rather than Python arithmetic.
@@ -57,6 +59,8 @@ class MaskSpec:
       sees column c only if their ids are equal. The kernels then take four
       more inputs (see `SegmentRefs`), visit only the tiles whose segments
       can meet and mask every visited tile element-wise.
+    has_dense_mask: whether a dense boolean mask was given; every visited
+      tile is then masked element-wise with its tile of the mask.
   """
 
   is_causal: bool
@@ -64,6 +68,7 @@ class MaskSpec:
   bottom_right: bool = False
   window: tuple[int, int] | None = None
   has_segments: bool = False
+  has_dense_mask: bool = False
 
 
 def load_lengths(mask: MaskSpec, q_len_ref, kv_len_ref, q_seq: int,
@@ -120,7 +125,8 @@ def causal_offset(mask: MaskSpec, q_len, kv_len):
 
 def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len,
             offset=0, *, q_ids: jax.Array | None = None,
-            kv_ids: jax.Array | None = None):
+            kv_ids: jax.Array | None = None,
+            dense: jax.Array | None = None):
   """Element-wise visibility of a tile.
 
   Args:
@@ -131,6 +137,7 @@ def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len,
     offset: `causal_offset(mask, q_len, kv_len)`.
     q_ids: with segments, the rows' segment ids, int32 [block_q, 1].
     kv_ids: with segments, the columns' segment ids, int32 [1, block_k].
+    dense: with a dense mask, its tile, bool [block_q, block_k].
 
   Returns:
     bool [block_q, block_k]: True where row may attend to column. Rows past
@@ -148,6 +155,8 @@ def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len,
     result = jnp.logical_and(result, cols <= diagonal + right)
   if mask.has_segments:
     result = jnp.logical_and(result, q_ids == kv_ids)
+  if mask.has_dense_mask:
+    result = jnp.logical_and(result, dense)
   return result
 
 
@@ -360,8 +369,8 @@ def key_blocks(mask: MaskSpec, q_start, block_q: int, block_k: int, q_len,
   """Key tiles of a query tile (forward and dQ kernels).
 
   A BlockRange, or a WindowedRange with a local window; with segments, a
-  SegmentedRange: those tiles intersected with the tiles the segments can
-  meet, all masked.
+  MaskedRange: those tiles intersected with the tiles the segments can
+  meet, all masked; with a dense mask, a MaskedRange of the same tiles.
   """
   if mask.window is None:
     blocks = key_blocks_for_query_block(mask, q_start, block_q, block_k,
@@ -371,6 +380,8 @@ def key_blocks(mask: MaskSpec, q_start, block_q: int, block_k: int, q_len,
                                  kv_len, offset)
   if mask.has_segments:
     blocks = _restrict_to_segments(blocks, segments)
+  elif mask.has_dense_mask:
+    blocks = _all_masked(blocks)
   return blocks
 
 
@@ -385,6 +396,8 @@ def query_blocks(mask: MaskSpec, k_start, block_k: int, block_q: int, q_len,
                                    kv_len, offset)
   if mask.has_segments:
     blocks = _restrict_to_segments(blocks, segments)
+  elif mask.has_dense_mask:
+    blocks = _all_masked(blocks)
   return blocks
 
 
@@ -423,31 +436,43 @@ class SegmentRefs:
             plgpu.load(self.stop.at[tile_index]))
 
 
-def split_segment_refs(mask: MaskSpec, refs):
-  """(SegmentRefs or None, the remaining refs) of a kernel's trailing refs.
+def split_refs(mask: MaskSpec, has_bias: bool, refs, *,
+               segment_ranges: bool = True):
+  """A kernel's optional inputs, then its outputs, from its trailing refs.
 
-  With segments, the four segment inputs follow a kernel's fixed inputs (in
-  `SegmentRefs` order) and precede its outputs; without, there are none.
+  After a kernel's fixed inputs come, each only when present and in this
+  order: the segment inputs (`SegmentRefs` order; without the two ranges
+  when `segment_ranges` is False), the bias, the dense mask; then the
+  outputs. Returns (SegmentRefs or None, bias ref or None, mask ref or None,
+  output refs).
   """
-  if not mask.has_segments:
-    return None, refs
-  return SegmentRefs(*refs[:4]), refs[4:]
+  segments = bias = dense = None
+  if mask.has_segments:
+    count = 4 if segment_ranges else 2
+    segments = SegmentRefs(*refs[:count], *([None] * (4 - count)))
+    refs = refs[count:]
+  if has_bias:
+    bias, refs = refs[0], refs[1:]
+  if mask.has_dense_mask:
+    dense, refs = refs[0], refs[1:]
+  return segments, bias, dense, refs
 
 
-def load_ids(ref, start, size: int):
+def load_ids(ref, start, size: int, batch_index=None):
   """Segment ids of positions [start, start + size) of an int32 [seq] ref.
 
   Positions past the array read -1; they are masked by the lengths anyway
-  (columns) or never stored (rows).
+  (columns) or never stored (rows). `batch_index`: for [batch, seq] refs.
   """
   positions = start + jnp.arange(size, dtype=jnp.int32)
-  return plgpu.load(ref.at[pl.ds(start, size)], mask=positions < ref.shape[0],
-                    other=-1)
+  idx = pl.ds(start, size)
+  idx = idx if batch_index is None else (batch_index, idx)
+  return plgpu.load(ref.at[idx], mask=positions < ref.shape[-1], other=-1)
 
 
 @dataclasses.dataclass(frozen=True)
-class SegmentedRange:
-  """Tiles to visit with segments: [start, stop), all masked."""
+class MaskedRange:
+  """Tiles to visit with segments or a dense mask: [start, stop), masked."""
 
   start: jax.Array
   stop: jax.Array
@@ -457,7 +482,7 @@ class SegmentedRange:
     return [(self.start, self.stop, True)]
 
 
-def _restrict_to_segments(blocks, segments: SegmentRefs) -> SegmentedRange:
+def _restrict_to_segments(blocks, segments: SegmentRefs) -> MaskedRange:
   """Intersects a range's tiles with the tiles the segments can meet.
 
   Every range above visits one contiguous run of tiles (its segments are
@@ -469,8 +494,17 @@ def _restrict_to_segments(blocks, segments: SegmentRefs) -> SegmentedRange:
   stop = jnp.asarray(parts[-1][1], jnp.int32)
   first, last = segments.tile_range()
   start = jnp.maximum(start, first)
-  return SegmentedRange(start=start,
-                        stop=jnp.maximum(jnp.minimum(stop, last), start))
+  return MaskedRange(start=start,
+                     stop=jnp.maximum(jnp.minimum(stop, last), start))
+
+
+def _all_masked(blocks) -> MaskedRange:
+  """The same run of tiles, all masked (bounds all static or all traced)."""
+  parts = blocks.segments()
+  start, stop = parts[0][0], parts[-1][1]
+  if not _static(start, stop):
+    start, stop = (jnp.asarray(x, jnp.int32) for x in (start, stop))
+  return MaskedRange(start=start, stop=stop)
 
 
 def _tile_extrema(ids, lengths, block: int):
