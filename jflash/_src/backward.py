@@ -42,6 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from jflash._src import dense
+from jflash._src import forward
 from jflash._src import masks
 from jflash._src import tiles
 from jflash._src.forward import KernelConfig
@@ -180,11 +181,12 @@ def dq_kernel(
     *refs,  # Optional inputs (see masks.split_refs), then dQ.
     mask: masks.MaskSpec, scale: float, soft_cap: float | None,
     block_q: int, block_k: int, head_dim: int, has_bias: bool,
+    q_tile_axis: int = 0,
 ):
   segments, bias_ref, mask_ref, (dq_ref,) = masks.split_refs(
       mask, has_bias, refs)
-  q_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
+  q_tile_index = forward.query_tile_index(mask, q_tile_axis, q_seq, block_q)
   q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
                                      kv_seq)
   offset = masks.causal_offset(mask, q_len, kv_len)
@@ -322,16 +324,20 @@ def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
   block_q = config.block_sizes.block_q_dq
   block_k = config.block_sizes.block_k_dq
   head_dim_p = head_dim_padded(head_dim)
+  grid, order, q_tile_axis = forward.query_tile_grid(
+      pl.cdiv(q_seq, block_q), batch, num_heads, config.is_causal)
   q_spec = pl.BlockSpec((None, q_seq, None, head_dim_p),
-                        lambda i, b, h: (b, 0, h, 0))
+                        order(lambda i, b, h: (b, 0, h, 0)))
   kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
-                         lambda i, b, h: (b, 0, h // group, 0))
-  stats_spec = pl.BlockSpec((None, None, q_seq), lambda i, b, h: (b, h, 0))
-  lengths_spec = pl.BlockSpec((batch,), lambda i, b, h: (0,))
+                         order(lambda i, b, h: (b, 0, h // group, 0)))
+  stats_spec = pl.BlockSpec((None, None, q_seq),
+                            order(lambda i, b, h: (b, h, 0)))
+  lengths_spec = pl.BlockSpec((batch,), order(lambda i, b, h: (0,)))
   kernel = functools.partial(
       dq_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
-      block_k=block_k, head_dim=head_dim, has_bias=config.has_bias)
+      block_k=block_k, head_dim=head_dim, has_bias=config.has_bias,
+      q_tile_axis=q_tile_axis)
   num_q_tiles = pl.cdiv(q_seq, block_q)
   inputs = [q, k, v, do, lse, delta, q_lens, kv_lens]
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, stats_spec, stats_spec,
@@ -339,14 +345,14 @@ def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
   if config.has_segments:
     inputs += [q_ids, kv_ids, *masks.segment_tile_ranges(
         q_ids, q_lens, block_q, kv_ids, kv_lens, block_k)]
-    in_specs += masks.segment_specs(q_seq, kv_seq, num_q_tiles)
+    in_specs += masks.segment_specs(q_seq, kv_seq, num_q_tiles, order)
   for operand in (bias, dense_mask):
     if operand is not None:
       inputs.append(operand)
-      in_specs.append(dense.block_spec(operand, batch))
+      in_specs.append(dense.block_spec(operand, batch, order=order))
   return pl.pallas_call(
       kernel,
-      grid=(num_q_tiles, batch, num_heads),
+      grid=grid,
       in_specs=in_specs,
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

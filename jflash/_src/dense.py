@@ -25,7 +25,8 @@ def batch_span(operand, batch: int) -> int:
   return batch // operand.shape[0]
 
 
-def block_spec(operand, batch: int, *, group: int | None = None):
+def block_spec(operand, batch: int, *, group: int | None = None,
+               order=lambda f: f):
   """BlockSpec of a dense operand for grids (tile, batch, head).
 
   Args:
@@ -34,6 +35,7 @@ def block_spec(operand, batch: int, *, group: int | None = None):
     group: None for grids over query heads (forward, dQ); the GQA group
       size for grids over key/value heads (dK/dV), whose programs then see
       the whole group's slices [group, q_len, kv_len] of a per-head operand.
+    order: as `forward.query_tile_grid`'s, for grids in another axis order.
   """
   span = batch_span(operand, batch)
   per_head = operand.shape[1] != 1
@@ -43,7 +45,7 @@ def block_spec(operand, batch: int, *, group: int | None = None):
                         lambda i, b, g: (b // span, g, 0, 0))
   return pl.BlockSpec(
       (None, None, q_seq, kv_seq),
-      lambda i, b, h: (b // span, h if per_head else 0, 0, 0))
+      order(lambda i, b, h: (b // span, h if per_head else 0, 0, 0)))
 
 
 def _tile_index(ref, q_start, block_q: int, k_start, block_k: int, leading):

@@ -379,7 +379,7 @@ def key_blocks(mask: MaskSpec, q_start, block_q: int, block_k: int, q_len,
     blocks = key_blocks_windowed(mask, q_start, block_q, block_k, q_len,
                                  kv_len, offset)
   if mask.has_segments:
-    blocks = _restrict_to_segments(blocks, segments)
+    blocks = _restrict_to_segments(blocks, segments, _div(q_start, block_q))
   elif mask.has_dense_mask:
     blocks = _all_masked(blocks)
   return blocks
@@ -395,7 +395,7 @@ def query_blocks(mask: MaskSpec, k_start, block_k: int, block_q: int, q_len,
     blocks = query_blocks_windowed(mask, k_start, block_k, block_q, q_len,
                                    kv_len, offset)
   if mask.has_segments:
-    blocks = _restrict_to_segments(blocks, segments)
+    blocks = _restrict_to_segments(blocks, segments, _div(k_start, block_k))
   elif mask.has_dense_mask:
     blocks = _all_masked(blocks)
   return blocks
@@ -418,9 +418,9 @@ class SegmentRefs:
   Attributes:
     q_ids: int32 [q_seq], the query rows' segment ids.
     kv_ids: int32 [kv_seq], the keys' segment ids.
-    first: int32 [num_tiles]: per tile of the kernel's grid axis 0, the
-      first tile of the other axis (key tiles for the forward and dQ
-      kernels, query tiles for dK/dV) that its segments can meet.
+    first: int32 [num_tiles]: per tile of the axis the kernel's programs
+      own (query tiles for the forward and dQ kernels, key tiles for dK/dV),
+      the first tile of the other axis that its segments can meet.
     stop: int32 [num_tiles]: one past the last such tile (<= first: none).
   """
 
@@ -429,9 +429,8 @@ class SegmentRefs:
   first: Any
   stop: Any
 
-  def tile_range(self):
-    """(first, stop) of this program's tile, traced int32 scalars."""
-    tile_index = pl.program_id(0)
+  def tile_range(self, tile_index):
+    """(first, stop) of the program's own tile, traced int32 scalars."""
     return (plgpu.load(self.first.at[tile_index]),
             plgpu.load(self.stop.at[tile_index]))
 
@@ -482,7 +481,8 @@ class MaskedRange:
     return [(self.start, self.stop, True)]
 
 
-def _restrict_to_segments(blocks, segments: SegmentRefs) -> MaskedRange:
+def _restrict_to_segments(blocks, segments: SegmentRefs,
+                          tile_index) -> MaskedRange:
   """Intersects a range's tiles with the tiles the segments can meet.
 
   Every range above visits one contiguous run of tiles (its segments are
@@ -492,7 +492,7 @@ def _restrict_to_segments(blocks, segments: SegmentRefs) -> MaskedRange:
   parts = blocks.segments()
   start = jnp.asarray(parts[0][0], jnp.int32)
   stop = jnp.asarray(parts[-1][1], jnp.int32)
-  first, last = segments.tile_range()
+  first, last = segments.tile_range(tile_index)
   start = jnp.maximum(start, first)
   return MaskedRange(start=start,
                      stop=jnp.maximum(jnp.minimum(stop, last), start))
@@ -578,7 +578,12 @@ def segment_tile_ranges(ids, lengths, block: int, other_ids, other_lengths,
   return first, jnp.maximum(stop.astype(jnp.int32), first)
 
 
-def segment_specs(q_seq: int, kv_seq: int, num_tiles: int):
-  """BlockSpecs of the segment inputs, for grids (tile, batch, head)."""
-  row = lambda size: pl.BlockSpec((None, size), lambda i, b, h: (b, 0))
+def segment_specs(q_seq: int, kv_seq: int, num_tiles: int,
+                  order=lambda f: f):
+  """BlockSpecs of the segment inputs, for grids (tile, batch, head).
+
+  `order`: as `forward.query_tile_grid`'s, for grids in another axis order.
+  """
+  row = lambda size: pl.BlockSpec((None, size),
+                                  order(lambda i, b, h: (b, 0)))
   return [row(q_seq), row(kv_seq), row(num_tiles), row(num_tiles)]
