@@ -27,7 +27,8 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
   Differences from the stock module:
   - `__call__` also takes `query_seq_lengths` / `key_value_seq_lengths`
     (integer [batch...]) for padding, the kernels' native form of a padding
-    mask, and `q_segment_ids` / `kv_segment_ids` for packed sequences. A dense `mask`, `sow_weights=True`, active attention dropout and
+    mask, and `q_segment_ids` / `kv_segment_ids` for packed sequences. A
+    dense `mask`, `sow_weights=True`, active attention dropout and
     `input_positions` raise NotImplementedError.
   - The decode cache keeps one position per batch element: `cache_index` has
     shape [batch...] (the stock module keeps one scalar). Each decode step
