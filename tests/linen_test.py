@@ -59,6 +59,18 @@ class LinenTest(parameterized.TestCase):
         lambda v: stock.apply(v, x, context, mask=mask),
         lambda v: ours.apply(v, x, context, is_causal=is_causal), variables)
 
+  def test_segment_ids_match_stock_segment_mask(self):
+    stock, ours = nn.MultiHeadDotProductAttention(num_heads=4), self._ours(
+        num_heads=4)
+    x = _inputs(9)
+    ids = jnp.array([[0] * 7 + [1] * 11 + [2] * 6, [4] * 19 + [3] * 5])
+    mask = nn.make_attention_mask(ids, ids, pairwise_fn=jnp.equal)
+    variables = stock.init(jax.random.key(0), x)
+    self._assert_same(
+        lambda v: stock.apply(v, x, mask=mask),
+        lambda v: ours.apply(v, x, q_segment_ids=ids, kv_segment_ids=ids),
+        variables)
+
   def test_attention_fn_in_stock_module(self):
     stock = nn.MultiHeadDotProductAttention(num_heads=4)
     plugged = nn.MultiHeadDotProductAttention(

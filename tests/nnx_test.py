@@ -86,6 +86,23 @@ class NnxTest(parameterized.TestCase):
         lambda m: m(x, query_seq_lengths=q_lens,
                     key_value_seq_lengths=kv_lens) * keep)
 
+  def test_segment_ids_match_stock_segment_mask(self):
+    # Two packed batch elements, segments of odd lengths, causal within each.
+    stock, ours = self._pair(num_kv_heads=2)
+    x = _inputs(13)
+    ids = jnp.array([[0] * 7 + [1] * 11 + [2] * 6, [4] * 19 + [3] * 5])
+    mask = nnx.combine_masks(
+        nnx.make_attention_mask(ids, ids, pairwise_fn=jnp.equal),
+        nnx.make_causal_mask(x[..., 0]))
+    self._assert_same_outputs_and_grads(
+        stock, ours, lambda m: m(x, mask=mask),
+        lambda m: m(x, is_causal=True, q_segment_ids=ids,
+                    kv_segment_ids=ids))
+    ours.init_cache(x.shape)
+    with self.assertRaisesRegex(ValueError, "Segment ids.*decode"):
+      ours(x[:, :1], decode=True, q_segment_ids=ids[:, :1],
+           kv_segment_ids=ids)
+
   def test_attention_fn_in_stock_module(self):
     stock = nnx.MultiHeadAttention(num_heads=4, in_features=FEATURES,
                                    num_kv_heads=2, decode=False,

@@ -96,12 +96,14 @@ def assert_close_to_reference(test, results, q, k, v, dout, **kwargs):
   _assert_within_table(test, results, reference, low, q.dtype)
 
 
-def _assert_within_table(test, results, reference, low, dtype):
+def _assert_within_table(test, results, reference, low, dtype,
+                         names=("out", "dq", "dk", "dv")):
+  """results, reference and low: same-length tuples, named by `names`."""
   dtype = jnp.dtype(dtype)
-  for name, ours, lo, ref in zip(("out", "dq", "dk", "dv"), results, low,
-                                 reference):
+  test.assertLen(results, len(names))
+  for name, ours, lo, ref in zip(names, results, low, reference):
     chex.assert_shape(ours, ref.shape)
-    test.assertEqual(ours.dtype, dtype, msg=name)
+    test.assertEqual(ours.dtype, lo.dtype, msg=name)
     chex.assert_tree_all_finite(ours)
     ours, lo, ref = (np.asarray(x, np.float32) for x in (ours, lo, ref))
     error = np.max(np.abs(ours - ref), initial=0.0)

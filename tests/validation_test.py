@@ -73,13 +73,6 @@ class ValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, message):
       self._call(q, k, v, **{name: lengths})
 
-  def test_bias_and_mask_not_supported_yet(self):
-    q, k, v = _arrays()
-    with self.assertRaisesRegex(NotImplementedError, "bias"):
-      self._call(q, k, v, bias=jnp.zeros((2, 4, 16, 24)))
-    with self.assertRaisesRegex(NotImplementedError, "mask"):
-      self._call(q, k, v, mask=jnp.ones((2, 4, 16, 24), bool))
-
   @parameterized.named_parameters(
       ("nan", float("nan")), ("inf", float("inf")), ("string", "0.1"))
   def test_bad_scale(self, scale):

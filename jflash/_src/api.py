@@ -41,6 +41,8 @@ def flash_attention(
     logits_soft_cap: float | None = None,
     causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
     return_residuals: bool = False,
+    q_segment_ids: jax.typing.ArrayLike | None = None,
+    kv_segment_ids: jax.typing.ArrayLike | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
 
@@ -63,17 +65,40 @@ def flash_attention(
       x . . .     x x x .
       x x . .     x x x x
 
-  Rows with no visible key (t >= query_seq_lengths[b], or
-  key_value_seq_lengths[b] == 0) output exactly 0 and pass zero gradients.
-  jax.nn also zeroes rows past query_seq_lengths, but gives rows with
-  key_value_seq_lengths == 0 the mean of all values; jflash gives 0.
+  Packed sequences: with `q_segment_ids` and `kv_segment_ids`, query t of
+  batch element b sees key s only if q_segment_ids[b, t] ==
+  kv_segment_ids[b, s], on top of every other mask (causal, window, lengths;
+  positions are those of the packed arrays, so a causal mask applies within
+  each segment when each segment's queries and keys sit at the same
+  positions). The kernels never visit a key tile whose segment ids cannot
+  equal any of a query tile's: per query tile (and per key tile in the
+  dK/dV kernel), the range of tiles of the other axis whose [min, max]
+  id intervals meet its own is computed on the host (cheap XLA, per batch
+  element) and intersected with the causal, window and length bounds. The
+  range is the exact first and last meeting tile when ids are sorted along
+  the sequence (the usual packing) and a safe superset otherwise.
+
+  Rows with no visible key (t >= query_seq_lengths[b],
+  key_value_seq_lengths[b] == 0, outside every window, or whose segment has
+  no key) output exactly 0 and pass zero gradients. jax.nn also zeroes rows
+  past query_seq_lengths, but gives other rows without a visible key the
+  mean of all values; jflash gives 0.
 
   Args:
     query: [B, T, N, H] or unbatched [T, N, H].
     key: [B, S, K, H] or [S, K, H]; N must be a multiple of K.
     value: same shape and dtype as `key`.
-    bias: not supported yet; must be None.
-    mask: not supported yet; must be None (use `is_causal` and the lengths).
+    bias: as jax.nn: floating, broadcastable to [B, N, T, S] (rank <= 4,
+      missing leading axes are 1); added to the logits in natural units
+      after the soft cap: logits = cap(scale * q.k) + bias. Differentiable:
+      its gradient is summed over the axes it broadcasts along, by a
+      dedicated kernel that never forms a [B, N, T, S] array when the bias is
+      broadcast over batch or heads. Size-1 T or S axes are broadcast
+      before the kernels ([Bb, Nb, T, S]).
+    mask: as jax.nn: boolean, True = attend, broadcastable to [B, N, T, S];
+      combined (AND) with every other mask. Its tiles are read inside the
+      kernels; it is never used to skip tiles (use is_causal, the lengths,
+      local_window_size or segment ids for masks that should save work).
     scale: logit scale, a Python float; default 1 / sqrt(H).
     is_causal: apply the top-left causal mask.
     query_seq_lengths: integer [B]: rows t >= length output 0.
@@ -100,6 +125,11 @@ def flash_attention(
       for rows with no visible key. It is differentiable, so partial
       attentions over key shards can be merged (ring attention):
       lse = logaddexp(lse_1, lse_2), out = sum_i out_i * exp(lse_i - lse).
+    q_segment_ids: integer [B, T] ([T] for unbatched inputs), the segment of
+      each query of packed sequences (only equality matters; compared as
+      int32). Must be given together with `kv_segment_ids`.
+    kv_segment_ids: integer [B, S] ([S] for unbatched inputs), the segment
+      of each key/value.
 
   Returns:
     Array of `query`'s shape and dtype; with return_residuals=True, the
@@ -109,18 +139,13 @@ def flash_attention(
     ValueError: on inconsistent shapes, ranks, dtypes, lengths or options,
       before any kernel runs.
     NotImplementedError: for valid options the kernels do not support yet
-      (bias, mask, head dim > 256, dtypes other than float32 / bfloat16 /
-      float16) and for higher-order derivatives.
+      (head dim > 256, dtypes other than float32 / bfloat16 / float16,
+      `vmap` of a call with bias or mask) and for higher-order derivatives.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   _check_operands(query, key, value)
-  if bias is not None:
-    raise NotImplementedError(
-        "flash_attention: `bias` is not supported yet; pass bias=None.")
-  if mask is not None:
-    raise NotImplementedError(
-        "flash_attention: a dense `mask` is not supported yet; use "
-        "is_causal, query_seq_lengths and key_value_seq_lengths.")
+  bias = _check_dense(bias, "bias", query, key)
+  mask = _check_dense(mask, "mask", query, key)
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"is_causal must be a bool, got {is_causal!r}.")
   if not isinstance(interpret, (bool, np.bool_)):
@@ -140,9 +165,11 @@ def flash_attention(
                        f"{logits_soft_cap!r}.")
     logits_soft_cap = soft_cap
 
+  segment_ids = _check_segment_ids(q_segment_ids, kv_segment_ids, query, key)
   unbatched = query.ndim == 3
   if unbatched:
     query, key, value = query[None], key[None], value[None]
+    segment_ids = tuple(ids[None] for ids in segment_ids)
   batch, q_seq, num_heads, head_dim = query.shape
   kv_seq = key.shape[1]
   scale = (1.0 / math.sqrt(head_dim) if scale is None
@@ -172,18 +199,23 @@ def flash_attention(
     config = KernelConfig(scale=scale, is_causal=bool(is_causal),
                           block_sizes=block_sizes, interpret=bool(interpret),
                           has_lengths=has_lengths, bottom_right=bottom_right,
-                          logits_soft_cap=logits_soft_cap, window=window)
-    if return_residuals:
-      out, lse = kernel_vjp.flash_attention_kernels_with_lse(
-          query, key, value, q_lens, kv_lens, config)
-    else:
-      out = kernel_vjp.flash_attention_kernels(query, key, value, q_lens,
-                                               kv_lens, config)
+                          logits_soft_cap=logits_soft_cap, window=window,
+                          has_segments=bool(segment_ids),
+                          has_bias=bias is not None,
+                          has_dense_mask=mask is not None)
+    # Masks travel as int8 (the kernels compare bytes).
+    dense_mask = None if mask is None else mask.astype(jnp.int8)
+    kernels = (kernel_vjp.flash_attention_kernels_with_lse
+               if return_residuals else kernel_vjp.flash_attention_kernels)
+    result = kernels(query, key, value, q_lens, kv_lens, segment_ids, bias,
+                     dense_mask, config)
+    out, lse = result if return_residuals else (result, None)
   else:
     result = reference.attention_reference(
         query, key, value, q_lens, kv_lens, scale=scale,
         is_causal=bool(is_causal), bottom_right=bottom_right,
         logits_soft_cap=logits_soft_cap, window=window,
+        segment_ids=segment_ids or None, bias=bias, mask=mask,
         return_lse=bool(return_residuals))
     out, lse = result if return_residuals else (result, None)
   if unbatched:
@@ -259,6 +291,73 @@ def _check_window(local_window_size) -> tuple[int, int] | None:
     raise ValueError("local_window_size must be a non-negative int or a pair "
                      f"(left, right) of them; got {local_window_size!r}.")
   return int(window[0]), int(window[1])
+
+
+def _check_dense(operand, name: str, query, key):
+  """Validates `bias` or `mask`; returns None or [Bb, Nb, T, S].
+
+  As jax.nn: rank <= 4, leading axes added as size 1, each axis 1 or the
+  operands' (B, N, T, S) (B = 1 for unbatched operands). Size-1 query or key
+  axes are broadcast here (materializing [Bb, Nb, T, S]); batch and head
+  axes never are (the kernels index them).
+  """
+  if operand is None:
+    return None
+  operand = jnp.asarray(operand)
+  batch = query.shape[0] if query.ndim == 4 else 1
+  full = (batch, query.shape[-2], query.shape[-3], key.shape[-3])
+  shapes = (f"{name}.shape={operand.shape}, query.shape={query.shape}, "
+            f"key.shape={key.shape}")
+  if operand.ndim > 4:
+    raise ValueError(f"{name} must have at most 4 dimensions, broadcastable "
+                     f"to [B, N, T, S] = {full}; got {shapes}.")
+  operand = operand.reshape((1,) * (4 - operand.ndim) + operand.shape)
+  if any(d not in (1, f) for d, f in zip(operand.shape, full)):
+    raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = {full} "
+                     f"(each axis 1 or full); got {shapes}.")
+  if name == "mask" and operand.dtype != jnp.bool_:
+    raise ValueError(f"mask must be a boolean array (True = attend); got "
+                     f"mask.dtype={operand.dtype}.")
+  if name == "bias" and not jnp.issubdtype(operand.dtype, jnp.floating):
+    raise ValueError(f"bias must be a floating-point array; got "
+                     f"bias.dtype={operand.dtype}.")
+  return jnp.broadcast_to(operand, operand.shape[:2] + full[2:])
+
+
+def _check_segment_ids(q_segment_ids, kv_segment_ids, query, key):
+  """Validates segment ids; returns () or the int32 pair (q_ids, kv_ids).
+
+  Shapes are those of the (possibly unbatched) operands: [B, T] and [B, S],
+  or [T] and [S].
+  """
+  if q_segment_ids is None and kv_segment_ids is None:
+    return ()
+  if q_segment_ids is None or kv_segment_ids is None:
+    given, missing = (("q_segment_ids", "kv_segment_ids")
+                      if kv_segment_ids is None
+                      else ("kv_segment_ids", "q_segment_ids"))
+    shape = jnp.shape(q_segment_ids if kv_segment_ids is None
+                      else kv_segment_ids)
+    raise ValueError(f"{given} (shape {shape}) was given without {missing}; "
+                     "pass both or neither.")
+  result = []
+  for name, ids, operand, axis in (
+      ("q_segment_ids", q_segment_ids, query, "T"),
+      ("kv_segment_ids", kv_segment_ids, key, "S")):
+    ids = jnp.asarray(ids)
+    expected = operand.shape[:-2]
+    dims = "[B, T]" if query.ndim == 4 else "[T]"
+    dims = dims.replace("T", axis)
+    if ids.shape != expected:
+      raise ValueError(
+          f"{name} must have shape {dims} = {expected}; got "
+          f"{name}.shape={ids.shape} (query.shape={query.shape}, "
+          f"key.shape={key.shape}).")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array; got "
+                       f"{name}.dtype={ids.dtype}.")
+    result.append(ids.astype(jnp.int32))
+  return tuple(result)
 
 
 def _check_lengths(lengths, name: str, batch: int, seq_len: int):

@@ -84,13 +84,14 @@ def flax_attention(
     query_seq_lengths=None, key_value_seq_lengths=None,
     implementation=None, block_sizes=None, interpret=False,
     logits_soft_cap=None, local_window_size=None, causal_alignment="top_left",
+    q_segment_ids=None, kv_segment_ids=None,
 ):
   """jflash attention for Flax layouts: [batch..., seq, heads, head_dim].
 
   Any number of leading batch dimensions (including none); the lengths, if
-  given, have shape [batch...]. Raises NotImplementedError for what the
-  kernels cannot do (yet), never silently ignores an option that changes the
-  result.
+  given, have shape [batch...], the segment ids [batch..., q_len] and
+  [batch..., kv_len]. Raises NotImplementedError for what the kernels cannot
+  do (yet), never silently ignores an option that changes the result.
   """
   if module is not None:
     raise NotImplementedError(
@@ -127,16 +128,20 @@ def flax_attention(
         f"query and key must have the same batch dims; got "
         f"query.shape={query.shape}, key.shape={key.shape}.")
   batch_shape = query.shape[:num_batch_dims]
-  lengths = {}
-  for name, value_ in (("query_seq_lengths", query_seq_lengths),
-                       ("key_value_seq_lengths", key_value_seq_lengths)):
+  per_batch = {}  # Lengths and segment ids, batch dims flattened like q.
+  for name, value_, shape in (
+      ("query_seq_lengths", query_seq_lengths, batch_shape),
+      ("key_value_seq_lengths", key_value_seq_lengths, batch_shape),
+      ("q_segment_ids", q_segment_ids, query.shape[:-2]),
+      ("kv_segment_ids", kv_segment_ids, key.shape[:-2])):
     if value_ is None:
       continue
     value_ = jnp.asarray(value_)
-    if value_.shape != batch_shape:
-      raise ValueError(f"{name} must have the batch shape {batch_shape}; "
-                       f"got {name}.shape={value_.shape}.")
-    lengths[name] = value_.reshape(-1)
+    if value_.shape != shape:
+      raise ValueError(f"{name} must have shape {shape}; got "
+                       f"{name}.shape={value_.shape}.")
+    per_batch[name] = (value_.reshape(-1) if name.endswith("lengths")
+                       else _flatten_batch(value_, num_batch_dims))
 
   out = api.flash_attention(
       _flatten_batch(query, num_batch_dims),
@@ -145,7 +150,7 @@ def flax_attention(
       is_causal=is_causal, implementation=implementation,
       block_sizes=block_sizes, interpret=interpret,
       logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
-      causal_alignment=causal_alignment, **lengths)
+      causal_alignment=causal_alignment, **per_batch)
   return out.reshape(query.shape)
 
 

@@ -11,8 +11,16 @@ key/value head h // (num_heads // num_kv_heads); K/V are never repeated.
 Outputs: O in the input dtype and the per-row log-sum-exp in fp32, in base 2
 of the scaled logits: lse2 = log2(sum_c 2^(scale * log2(e) * q.k_c)). It is
 the only statistic the backward needs (p = 2^(s2 - lse2)). A row that sees no
-key at all (past q_len, or kv_len == 0) gets O = 0 and lse2 = +inf, which
-makes every probability the backward recomputes for it exactly 0.
+key at all (past q_len, kv_len == 0, outside every window, or with no key
+of its segment) gets O = 0 and lse2 = +inf, which makes every probability the
+backward recomputes for it exactly 0.
+
+Masks (causal, window, lengths, segments, dense mask) come from `masks.py`:
+the key tiles a query tile visits and the element-wise predicate inside the
+cut ones. With segment ids, a query tile visits only the key tiles its
+segments can meet (a per-tile range computed on the host) and masks all of
+them. A dense `bias` (see dense.py) is added to the logits after the soft
+cap: logit = cap(scale * q.k) + bias, in natural units, then masked.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from jflash._src import dense
 from jflash._src import masks
 from jflash._src import tiles
 from jflash._src.block_sizes import BlockSizes
@@ -43,12 +52,33 @@ class KernelConfig:
   bottom_right: bool = False
   logits_soft_cap: float | None = None
   window: tuple[int, int] | None = None
+  has_segments: bool = False
+  has_bias: bool = False
+  has_dense_mask: bool = False
 
   @property
   def mask(self) -> masks.MaskSpec:
     return masks.MaskSpec(is_causal=self.is_causal,
                           has_lengths=self.has_lengths,
-                          bottom_right=self.bottom_right, window=self.window)
+                          bottom_right=self.bottom_right, window=self.window,
+                          has_segments=self.has_segments,
+                          has_dense_mask=self.has_dense_mask)
+
+
+def split_extras(config: KernelConfig, extras):
+  """(q_ids, kv_ids, bias, dense_mask) from the optional operands.
+
+  The kernels' host wrappers take them positionally after the lengths, each
+  only when the config says it is present, in this order; absent ones come
+  back as None.
+  """
+  extras = list(extras)
+  take = lambda present: extras.pop(0) if present else None
+  q_ids, kv_ids = take(config.has_segments), take(config.has_segments)
+  bias, dense_mask = take(config.has_bias), take(config.has_dense_mask)
+  if extras:
+    raise ValueError(f"{len(extras)} unexpected kernel operands.")
+  return q_ids, kv_ids, bias, dense_mask
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -58,10 +88,13 @@ def head_dim_padded(head_dim: int) -> int:
 # FlashAttention-2 (Dao, 2023), Algorithm 1, one query tile per program.
 def forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,  # Inputs.
-    o_ref, lse_ref,  # Outputs.
-    *, mask: masks.MaskSpec, scale: float, soft_cap: float | None,
-    block_q: int, block_k: int, head_dim: int, q_tile_axis: int = 0,
+    *refs,  # Optional inputs (see masks.split_refs), then the outputs.
+    mask: masks.MaskSpec, scale: float, soft_cap: float | None,
+    block_q: int, block_k: int, head_dim: int, has_bias: bool,
+    q_tile_axis: int = 0,
 ):
+  segments, bias_ref, mask_ref, (o_ref, lse_ref) = masks.split_refs(
+      mask, has_bias, refs)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   q_tile_index = query_tile_index(mask, q_tile_axis, q_seq, block_q)
   q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
@@ -73,6 +106,9 @@ def forward_kernel(
   q = tiles.load_tile(
       q_ref, q_start, block_q, head_dim=head_dim,
       seq_len=q_seq if q_seq % block_q else None)
+  q_ids = None
+  if segments is not None:
+    q_ids = masks.load_ids(segments.q_ids, q_start, block_q)[:, None]
   # Logits are kept in base 2: exp(scale * x) == exp2(scale * log2(e) * x).
 
   def step(k_tile_index, carry, *, needs_mask: bool):
@@ -86,9 +122,19 @@ def forward_kernel(
                         head_dim=head_dim)
     logits, _ = tiles.logits_base2(tiles.matmul(q, k, trans_b=True),
                                    scale=scale, soft_cap=soft_cap)
+    if bias_ref is not None:
+      logits = logits + dense.load_bias(
+          bias_ref, q_start, block_q, k_start, block_k) * tiles.LOG2_E
     if needs_mask:
       cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
-      seen = masks.visible(mask, rows, cols, kv_len, offset)
+      kv_ids = tile_mask = None
+      if segments is not None:
+        kv_ids = masks.load_ids(segments.kv_ids, k_start, block_k)[None, :]
+      if mask_ref is not None:
+        tile_mask = dense.load_mask(mask_ref, q_start, block_q, k_start,
+                                    block_k)
+      seen = masks.visible(mask, rows, cols, kv_len, offset, q_ids=q_ids,
+                           kv_ids=kv_ids, dense=tile_mask)
       logits = jnp.where(seen, logits, tiles.MASK_VALUE)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
     probs = jnp.exp2(logits - new_max[:, None])
@@ -102,7 +148,7 @@ def forward_kernel(
     return acc, new_max, row_sum
 
   blocks = masks.key_blocks(mask, q_start, block_q, block_k, q_len, kv_len,
-                            offset)
+                            offset, segments)
   carry = (
       jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
       jnp.full((block_q,), tiles.MASK_VALUE, jnp.float32),
@@ -157,7 +203,7 @@ def query_tile_index(mask: masks.MaskSpec, q_tile_axis: int, q_seq: int,
   return index
 
 
-def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
+def forward_call(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
   """Launches the forward kernel.
 
   Args:
@@ -166,6 +212,10 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
     v: [batch, kv_len, num_kv_heads, head_dim].
     q_lens: int32 [batch], valid query rows per batch element, in [0, q_len].
     kv_lens: int32 [batch], valid keys per batch element, in [0, kv_len].
+    *extras: the optional operands present in `config`, in this order:
+      q_ids int32 [batch, q_len] and kv_ids int32 [batch, kv_len] (segment
+      ids), bias [bias_batch, 1 or num_heads, q_len, kv_len], dense mask
+      int8 of the same form (see dense.py).
     config: static kernel configuration.
 
   Returns:
@@ -179,12 +229,15 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
   block_k = config.block_sizes.block_k
   head_dim_p = head_dim_padded(head_dim)
 
+  q_ids, kv_ids, bias, dense_mask = split_extras(config, extras)
+  num_q_tiles = pl.cdiv(q_seq, block_q)
   grid, order, q_tile_axis = query_tile_grid(
-      pl.cdiv(q_seq, block_q), batch, num_heads, config.is_causal)
+      num_q_tiles, batch, num_heads, config.is_causal)
   kernel = functools.partial(
       forward_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
-      block_k=block_k, head_dim=head_dim, q_tile_axis=q_tile_axis)
+      block_k=block_k, head_dim=head_dim, has_bias=config.has_bias,
+      q_tile_axis=q_tile_axis)
   q_spec = pl.BlockSpec((None, q_seq, None, head_dim_p),
                         order(lambda i, b, h: (b, 0, h, 0)))
   kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
@@ -192,10 +245,20 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
   lengths_spec = pl.BlockSpec((batch,), order(lambda i, b, h: (0,)))
   lse_spec = pl.BlockSpec((None, None, q_seq),
                           order(lambda i, b, h: (b, h, 0)))
+  inputs = [q, k, v, q_lens, kv_lens]
+  in_specs = [q_spec, kv_spec, kv_spec, lengths_spec, lengths_spec]
+  if config.has_segments:
+    inputs += [q_ids, kv_ids, *masks.segment_tile_ranges(
+        q_ids, q_lens, block_q, kv_ids, kv_lens, block_k)]
+    in_specs += masks.segment_specs(q_seq, kv_seq, num_q_tiles, order)
+  for operand in (bias, dense_mask):
+    if operand is not None:
+      inputs.append(operand)
+      in_specs.append(dense.block_spec(operand, batch, order=order))
   return pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=[q_spec, kv_spec, kv_spec, lengths_spec, lengths_spec],
+      in_specs=in_specs,
       out_specs=[q_spec, lse_spec],
       out_shape=[
           jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -206,4 +269,4 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
           num_stages=config.block_sizes.num_stages),
       interpret=config.interpret,
       name="jflash_forward",
-  )(q, k, v, q_lens, kv_lens)
+  )(*inputs)

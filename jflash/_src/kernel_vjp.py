@@ -3,13 +3,16 @@
 Two entry points share the rules: `flash_attention_kernels` (the output) and
 `flash_attention_kernels_with_lse` (output and natural-log lse, both
 differentiable). Residuals saved by the forward rule: q, k, v, the output O
-and the base-2 log-sum-exp (float32 [batch, num_heads, q_len]); nothing of
-size seq x seq.
+and the base-2 log-sum-exp (float32 [batch, num_heads, q_len]), plus the
+integer lengths and segment ids and the caller's own bias and mask; nothing
+of size seq x seq is created.
 
 Transforms:
 - `vmap`: each kernel launch is wrapped with `fold_vmap_into_batch`, which
   folds any vmapped axes into the batch axis the kernels already have, so
   nested `vmap`s never add grid dimensions (Triton grids have at most three).
+  Not with a dense bias or mask yet (their batch axis may be a broadcast
+  one): NotImplementedError.
 - `grad`, `jit`, `jax.checkpoint`: through `custom_vjp` as usual.
 - Higher-order derivatives raise `NotImplementedError` (the backward kernels
   are not themselves differentiable).
@@ -29,14 +32,14 @@ from jflash._src import forward
 from jflash._src.forward import KernelConfig
 
 
-def fold_vmap_into_batch(fn):
+def fold_vmap_into_batch(fn, vmappable: bool = True):
   """Makes `fn` batch under `vmap` by folding the mapped axis into axis 0.
 
   Every argument and output of `fn` must have the kernels' batch axis first.
   Under `vmap`, the mapped axis (moved to the front) and the batch axis are
   merged, `fn` runs once on the larger batch, and the outputs are split back.
   Unbatched arguments are broadcast first (the kernels index every operand by
-  batch element).
+  batch element). With vmappable=False, vmap raises NotImplementedError.
   """
 
   @custom_batching.custom_vmap
@@ -45,6 +48,10 @@ def fold_vmap_into_batch(fn):
 
   @folded.def_vmap
   def _rule(axis_size, in_batched, *args):
+    if not vmappable:
+      raise NotImplementedError(
+          "jflash.flash_attention: vmap with a dense `bias` or `mask` is not "
+          "supported yet; put the vmapped axis into the batch axis instead.")
     merged = []
     for arg, batched in zip(args, in_batched):
       if not batched:
@@ -77,26 +84,43 @@ def _no_higher_order(fn, what: str):
   return wrapped
 
 
-def _forward(q, k, v, q_lens, kv_lens, config: KernelConfig):
+def _vmappable(config: KernelConfig) -> bool:
+  return not (config.has_bias or config.has_dense_mask)
+
+
+def _extras(segment_ids, bias, dense_mask):
+  """The kernels' optional operands, in `forward.split_extras` order."""
+  return (*segment_ids, *(x for x in (bias, dense_mask) if x is not None))
+
+
+def _forward(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
   call = functools.partial(forward.forward_call, config=config)
-  return fold_vmap_into_batch(call)(q, k, v, q_lens, kv_lens)
+  return fold_vmap_into_batch(call, _vmappable(config))(
+      q, k, v, q_lens, kv_lens, *extras)
 
 
 def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, dout,
-              dlse=None):
-  delta = fold_vmap_into_batch(
+              dlse=None, extras=()):
+  """(dq, dk, dv, dbias); dbias is None without a bias."""
+  fold = functools.partial(fold_vmap_into_batch,
+                           vmappable=_vmappable(config))
+  delta = fold(
       functools.partial(backward.delta_call, config=config))(out, dout)
   if dlse is not None:
     # d lse / d s_c = p_c, so lse's cotangent enters as a shift of delta:
     # dS = p * (dP - delta) + p * dlse = p * (dP - (delta - dlse)).
     delta = delta - dlse
-  dk, dv = fold_vmap_into_batch(
+  dk, dv = fold(
       functools.partial(backward.dkv_call, config=config))(
-          q, k, v, dout, lse, delta, q_lens, kv_lens)
-  dq = fold_vmap_into_batch(
+          q, k, v, dout, lse, delta, q_lens, kv_lens, *extras)
+  dq = fold(
       functools.partial(backward.dq_call, config=config))(
-          q, k, v, dout, lse, delta, q_lens, kv_lens)
-  return dq, dk, dv
+          q, k, v, dout, lse, delta, q_lens, kv_lens, *extras)
+  dbias = None
+  if config.has_bias:
+    dbias = fold(functools.partial(backward.dbias_call, config=config))(
+        q, k, v, dout, lse, delta, q_lens, kv_lens, *extras)
+  return dq, dk, dv, dbias
 
 
 def natural_lse(lse2):
@@ -110,28 +134,39 @@ def natural_lse(lse2):
 
 
 def _make_kernels_vjp(with_lse: bool):
-  """The custom_vjp function, returning out or (out, natural lse)."""
+  """The custom_vjp function, returning out or (out, natural lse).
 
-  def kernels(q, k, v, q_lens, kv_lens, config: KernelConfig):
-    out, lse2 = _forward(q, k, v, q_lens, kv_lens, config)
+  Its `segment_ids` argument is () without segments, else the pair
+  (q_ids, kv_ids) of int32 [batch, q_len] and [batch, kv_len] arrays; `bias`
+  and `dense_mask` (int8) are None or [bias_batch, 1 or num_heads, q_len,
+  kv_len] (see dense.py). The bias is differentiable.
+  """
+
+  def kernels(q, k, v, q_lens, kv_lens, segment_ids, bias, dense_mask,
+              config: KernelConfig):
+    out, lse2 = _forward(q, k, v, q_lens, kv_lens,
+                         *_extras(segment_ids, bias, dense_mask),
+                         config=config)
     return (out, natural_lse(lse2)) if with_lse else out
 
   kernels.__name__ = kernels.__qualname__ = (
       "flash_attention_kernels_with_lse" if with_lse
       else "flash_attention_kernels")
-  kernels = jax.custom_vjp(kernels, nondiff_argnums=(5,))
+  kernels = jax.custom_vjp(kernels, nondiff_argnums=(8,))
 
-  def fwd_rule(q, k, v, q_lens, kv_lens, config: KernelConfig):
+  def fwd_rule(q, k, v, q_lens, kv_lens, segment_ids, bias, dense_mask,
+               config: KernelConfig):
     # Differentiating the forward rule happens only for higher-order
     # derivatives: make that a clear error rather than a Pallas internal one.
     forward_fn = _no_higher_order(
         functools.partial(_forward, config=config), "the forward pass")
-    out, lse2 = forward_fn(q, k, v, q_lens, kv_lens)
+    extras = _extras(segment_ids, bias, dense_mask)
+    out, lse2 = forward_fn(q, k, v, q_lens, kv_lens, *extras)
     primal = (out, natural_lse(lse2)) if with_lse else out
-    return primal, (q, k, v, out, lse2, q_lens, kv_lens)
+    return primal, (q, k, v, out, lse2, q_lens, kv_lens, extras)
 
   def bwd_rule(config: KernelConfig, residuals, cotangent):
-    q, k, v, out, lse2, q_lens, kv_lens = residuals
+    q, k, v, out, lse2, q_lens, kv_lens, extras = residuals
     dlse = None
     if with_lse:
       dout, dlse = cotangent
@@ -141,9 +176,10 @@ def _make_kernels_vjp(with_lse: bool):
       dout = cotangent
     backward_fn = _no_higher_order(
         functools.partial(_backward, config), "the backward pass")
-    dq, dk, dv = backward_fn(q, k, v, out, lse2, q_lens, kv_lens, dout, dlse)
-    # Lengths are integers: no cotangent.
-    return dq, dk, dv, None, None
+    dq, dk, dv, dbias = backward_fn(q, k, v, out, lse2, q_lens, kv_lens,
+                                    dout, dlse, extras)
+    # Lengths, segment ids and the mask are integers: no cotangent.
+    return dq, dk, dv, None, None, None, dbias, None
 
   kernels.defvjp(fwd_rule, bwd_rule)
   return kernels

@@ -22,8 +22,9 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   `block_sizes`, `interpret`, `logits_soft_cap` and `local_window_size`.
 
   Differences from the stock module:
-  - `__call__` also takes `is_causal` and `query_seq_lengths` /
-    `key_value_seq_lengths` (integer [batch...]); a dense `mask`,
+  - `__call__` also takes `is_causal`, `query_seq_lengths` /
+    `key_value_seq_lengths` (integer [batch...]) and `q_segment_ids` /
+    `kv_segment_ids` (packed sequences); a dense `mask`,
     `sow_weights=True` and active dropout raise NotImplementedError.
   - With `decode=True` the cache keeps one position per batch element
     (`cache_index` has shape [batch...]); each step of element b writes at
@@ -53,6 +54,8 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       is_causal: bool = False,
       query_seq_lengths: jax.Array | None = None,
       key_value_seq_lengths: jax.Array | None = None,
+      q_segment_ids: jax.Array | None = None,
+      kv_segment_ids: jax.Array | None = None,
   ) -> jax.Array:
     """Applies multi-head attention; arguments as the stock module's.
 
@@ -68,6 +71,10 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       is_causal: top-left causal mask (ignored in decode steps).
       query_seq_lengths: integer [batch...]: rows past it output 0.
       key_value_seq_lengths: integer [batch...]: keys past it are masked.
+      q_segment_ids: integer [batch..., q_len], packed sequences: query t
+        sees key s only if q_segment_ids[..., t] == kv_segment_ids[..., s]
+        (see `jflash.flash_attention`). Not in decode steps.
+      kv_segment_ids: integer [batch..., kv_len]; with q_segment_ids.
 
     Returns:
       [batch..., q_len, out_features or features].
@@ -132,6 +139,9 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         if key_value_seq_lengths is not None:
           raise ValueError("key_value_seq_lengths cannot be given in decode "
                            "steps: the cache's cache_index sets them.")
+        if q_segment_ids is not None or kv_segment_ids is not None:
+          raise ValueError("Segment ids cannot be given in decode steps: a "
+                           "step attends to its cache's valid slots.")
         key, value, key_value_seq_lengths = flax_adapter.append_to_cache(
             cached_key.value, cached_value.value, cache_index.value, key,
             value)
@@ -149,6 +159,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         dropout_rate=self.dropout_rate, deterministic=deterministic,
         dtype=self.dtype, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         implementation=self.implementation, block_sizes=self.block_sizes,
         interpret=self.interpret, logits_soft_cap=self.logits_soft_cap,
         local_window_size=self.local_window_size)

@@ -2,13 +2,24 @@
 
 A query row `r` sees key column `c` when
 
-    c < kv_len                      (key/value length of this batch element)
-    and (not is_causal or c <= r)   (top-left causal alignment, as jax.nn)
+    c < kv_len                                  (key/value length)
+    and (not is_causal or c <= r + offset)      (causal; offset 0 top-left,
+                                                 kv_len - q_len bottom-right)
+    and (no window or r + offset - left <= c <= r + offset + right)
+    and (no segments or q_ids[r] == kv_ids[c])  (packed sequences)
+    and (no dense mask or mask[r, c])           (jax.nn's `mask`)
 
 Rows `r >= q_len` see nothing. The same predicate decides, per tile, which
 tiles are visited at all (loop bounds) and which tiles need the element-wise
 mask (the ones the predicate cuts through), so the forward and the two
 backward kernels can never disagree about what is masked.
+
+Segments (`MaskSpec.has_segments`) cannot be bounded from a few scalars like
+the other masks: the host computes, per tile, the range of tiles of the other
+axis that its segment ids can meet (`segment_tile_ranges`, plain XLA), the
+kernels read it (`SegmentRefs`) and intersect it with the causal, window and
+length bounds. Every visited tile is then masked element-wise, as it is with
+a dense mask (whose tiles are read, never used to skip work).
 
 All bounds are computed inside kernels from traced `int32` scalars, so they
 use `lax.div` and `jnp.minimum` rather than Python arithmetic.
@@ -17,6 +28,8 @@ use `lax.div` and `jnp.minimum` rather than Python arithmetic.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import jax
 from jax import lax
@@ -42,12 +55,20 @@ class MaskSpec:
       lengths are the static array lengths, and every loop bound that does not
       depend on the program id is a compile-time constant (Triton pipelines
       constant-trip-count loops best).
+    has_segments: whether segment ids were given (packed sequences): row r
+      sees column c only if their ids are equal. The kernels then take four
+      more inputs (see `SegmentRefs`), visit only the tiles whose segments
+      can meet and mask every visited tile element-wise.
+    has_dense_mask: whether a dense boolean mask was given; every visited
+      tile is then masked element-wise with its tile of the mask.
   """
 
   is_causal: bool
   has_lengths: bool = True
   bottom_right: bool = False
   window: tuple[int, int] | None = None
+  has_segments: bool = False
+  has_dense_mask: bool = False
 
 
 def load_lengths(mask: MaskSpec, q_len_ref, kv_len_ref, q_seq: int,
@@ -103,7 +124,9 @@ def causal_offset(mask: MaskSpec, q_len, kv_len):
 
 
 def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len,
-            offset=0):
+            offset=0, *, q_ids: jax.Array | None = None,
+            kv_ids: jax.Array | None = None,
+            dense: jax.Array | None = None):
   """Element-wise visibility of a tile.
 
   Args:
@@ -112,6 +135,9 @@ def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len,
     cols: absolute key positions, shape [1, block_k].
     kv_len: key/value length of this batch element (traced int32 scalar).
     offset: `causal_offset(mask, q_len, kv_len)`.
+    q_ids: with segments, the rows' segment ids, int32 [block_q, 1].
+    kv_ids: with segments, the columns' segment ids, int32 [1, block_k].
+    dense: with a dense mask, its tile, bool [block_q, block_k].
 
   Returns:
     bool [block_q, block_k]: True where row may attend to column. Rows past
@@ -127,6 +153,10 @@ def visible(mask: MaskSpec, rows: jax.Array, cols: jax.Array, kv_len,
     diagonal = rows if _is_zero(offset) else rows + offset
     result = jnp.logical_and(result, cols >= diagonal - left)
     result = jnp.logical_and(result, cols <= diagonal + right)
+  if mask.has_segments:
+    result = jnp.logical_and(result, q_ids == kv_ids)
+  if mask.has_dense_mask:
+    result = jnp.logical_and(result, dense)
   return result
 
 
@@ -335,20 +365,225 @@ def query_blocks_windowed(mask: MaskSpec, k_start, block_k: int,
 
 
 def key_blocks(mask: MaskSpec, q_start, block_q: int, block_k: int, q_len,
-               kv_len, offset=0):
-  """Key tiles of a query tile: a BlockRange, or a WindowedRange."""
+               kv_len, offset=0, segments: SegmentRefs | None = None):
+  """Key tiles of a query tile (forward and dQ kernels).
+
+  A BlockRange, or a WindowedRange with a local window; with segments, a
+  MaskedRange: those tiles intersected with the tiles the segments can
+  meet, all masked; with a dense mask, a MaskedRange of the same tiles.
+  """
   if mask.window is None:
-    return key_blocks_for_query_block(mask, q_start, block_q, block_k, q_len,
-                                      kv_len, offset)
-  return key_blocks_windowed(mask, q_start, block_q, block_k, q_len, kv_len,
-                             offset)
+    blocks = key_blocks_for_query_block(mask, q_start, block_q, block_k,
+                                        q_len, kv_len, offset)
+  else:
+    blocks = key_blocks_windowed(mask, q_start, block_q, block_k, q_len,
+                                 kv_len, offset)
+  if mask.has_segments:
+    blocks = _restrict_to_segments(blocks, segments, _div(q_start, block_q))
+  elif mask.has_dense_mask:
+    blocks = _all_masked(blocks)
+  return blocks
 
 
 def query_blocks(mask: MaskSpec, k_start, block_k: int, block_q: int, q_len,
-                 kv_len, offset=0):
-  """Query tiles of a key tile: a BlockRange, or a WindowedRange."""
+                 kv_len, offset=0, segments: SegmentRefs | None = None):
+  """Query tiles of a key tile (dK/dV kernel); as `key_blocks`."""
   if mask.window is None:
-    return query_blocks_for_key_block(mask, k_start, block_k, block_q, q_len,
-                                      kv_len, offset)
-  return query_blocks_windowed(mask, k_start, block_k, block_q, q_len,
-                               kv_len, offset)
+    blocks = query_blocks_for_key_block(mask, k_start, block_k, block_q,
+                                        q_len, kv_len, offset)
+  else:
+    blocks = query_blocks_windowed(mask, k_start, block_k, block_q, q_len,
+                                   kv_len, offset)
+  if mask.has_segments:
+    blocks = _restrict_to_segments(blocks, segments, _div(k_start, block_k))
+  elif mask.has_dense_mask:
+    blocks = _all_masked(blocks)
+  return blocks
+
+
+# Segments (packed sequences).
+#
+# Host side: per tile of one axis, the contiguous range of tiles of the other
+# axis whose segment ids can equal one of its own (`segment_tile_ranges`),
+# passed to the kernels as two int32 [batch, num_tiles] arrays next to the
+# ids themselves. Kernel side: `SegmentRefs` reads them, `key_blocks` /
+# `query_blocks` intersect the range with the other masks' bounds, and
+# `visible` compares the ids element-wise in every visited tile.
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentRefs:
+  """A kernel's segment inputs, for its batch element.
+
+  Attributes:
+    q_ids: int32 [q_seq], the query rows' segment ids.
+    kv_ids: int32 [kv_seq], the keys' segment ids.
+    first: int32 [num_tiles]: per tile of the axis the kernel's programs
+      own (query tiles for the forward and dQ kernels, key tiles for dK/dV),
+      the first tile of the other axis that its segments can meet.
+    stop: int32 [num_tiles]: one past the last such tile (<= first: none).
+  """
+
+  q_ids: Any
+  kv_ids: Any
+  first: Any
+  stop: Any
+
+  def tile_range(self, tile_index):
+    """(first, stop) of the program's own tile, traced int32 scalars."""
+    return (plgpu.load(self.first.at[tile_index]),
+            plgpu.load(self.stop.at[tile_index]))
+
+
+def split_refs(mask: MaskSpec, has_bias: bool, refs, *,
+               segment_ranges: bool = True):
+  """A kernel's optional inputs, then its outputs, from its trailing refs.
+
+  After a kernel's fixed inputs come, each only when present and in this
+  order: the segment inputs (`SegmentRefs` order; without the two ranges
+  when `segment_ranges` is False), the bias, the dense mask; then the
+  outputs. Returns (SegmentRefs or None, bias ref or None, mask ref or None,
+  output refs).
+  """
+  segments = bias = dense = None
+  if mask.has_segments:
+    count = 4 if segment_ranges else 2
+    segments = SegmentRefs(*refs[:count], *([None] * (4 - count)))
+    refs = refs[count:]
+  if has_bias:
+    bias, refs = refs[0], refs[1:]
+  if mask.has_dense_mask:
+    dense, refs = refs[0], refs[1:]
+  return segments, bias, dense, refs
+
+
+def load_ids(ref, start, size: int, batch_index=None):
+  """Segment ids of positions [start, start + size) of an int32 [seq] ref.
+
+  Positions past the array read -1; they are masked by the lengths anyway
+  (columns) or never stored (rows). `batch_index`: for [batch, seq] refs.
+  """
+  positions = start + jnp.arange(size, dtype=jnp.int32)
+  idx = pl.ds(start, size)
+  idx = idx if batch_index is None else (batch_index, idx)
+  return plgpu.load(ref.at[idx], mask=positions < ref.shape[-1], other=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedRange:
+  """Tiles to visit with segments or a dense mask: [start, stop), masked."""
+
+  start: jax.Array
+  stop: jax.Array
+
+  def segments(self):
+    """[(lo, hi, needs_mask)] in visiting order."""
+    return [(self.start, self.stop, True)]
+
+
+def _restrict_to_segments(blocks, segments: SegmentRefs,
+                          tile_index) -> MaskedRange:
+  """Intersects a range's tiles with the tiles the segments can meet.
+
+  Every range above visits one contiguous run of tiles (its segments are
+  adjacent), so the intersection is one run too. The segment bounds are
+  traced, so all bounds become traced int32 (see `_block_range`).
+  """
+  parts = blocks.segments()
+  start = jnp.asarray(parts[0][0], jnp.int32)
+  stop = jnp.asarray(parts[-1][1], jnp.int32)
+  first, last = segments.tile_range(tile_index)
+  start = jnp.maximum(start, first)
+  return MaskedRange(start=start,
+                     stop=jnp.maximum(jnp.minimum(stop, last), start))
+
+
+def _all_masked(blocks) -> MaskedRange:
+  """The same run of tiles, all masked (bounds all static or all traced)."""
+  parts = blocks.segments()
+  start, stop = parts[0][0], parts[-1][1]
+  if not _static(start, stop):
+    start, stop = (jnp.asarray(x, jnp.int32) for x in (start, stop))
+  return MaskedRange(start=start, stop=stop)
+
+
+def _tile_extrema(ids, lengths, block: int):
+  """Min and max segment id of each tile's valid positions.
+
+  Args:
+    ids: int32 [batch, seq].
+    lengths: int32 [batch]; positions at or past them are ignored.
+    block: tile size.
+
+  Returns:
+    (lo, hi), int32 [batch, cdiv(seq, block)]; lo > hi for a tile without
+    a valid position.
+  """
+  batch, seq = ids.shape
+  num_tiles = pl.cdiv(seq, block)
+  info = jnp.iinfo(jnp.int32)
+  valid = jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
+  padding = ((0, 0), (0, num_tiles * block - seq))
+
+  def reduce(fill, op):
+    x = jnp.pad(jnp.where(valid, ids, fill), padding, constant_values=fill)
+    return op(x.reshape(batch, num_tiles, block), axis=-1)
+
+  return reduce(info.max, jnp.min), reduce(info.min, jnp.max)
+
+
+def segment_tile_ranges(ids, lengths, block: int, other_ids, other_lengths,
+                        other_block: int):
+  """Per tile of one axis, the tiles of the other that its segments can meet.
+
+  Host side, plain XLA. A tile pair can hold a visible element only if the
+  [min, max] intervals of their (valid) segment ids intersect: tile j of the
+  other axis can meet tile i when hi_j >= lo_i and lo_j <= hi_i. Each
+  condition holds on a run of j once the tile extrema are replaced by
+  prefix/suffix extrema (monotone in j), so each end of the range is a binary
+  search: O(num_tiles * log(num_other_tiles)) per batch element, with no
+  [tiles, other tiles] intermediate. The range contains every meeting tile
+  for any layout of ids, and is exactly the first and last meeting tile for
+  ids sorted along the sequence (the usual packing).
+
+  Args:
+    ids: int32 [batch, seq], segment ids of the axis whose tiles get ranges.
+    lengths: int32 [batch], its valid positions per batch element.
+    block: its tile size.
+    other_ids: int32 [batch, other_seq], the other axis's segment ids.
+    other_lengths: int32 [batch].
+    other_block: the other axis's tile size.
+
+  Returns:
+    (first, stop), int32 [batch, cdiv(seq, block)]: tiles of the other axis
+    outside [first, stop) share no segment with the tile; first == stop when
+    no tile does.
+  """
+  lo, hi = _tile_extrema(ids, lengths, block)
+  other_lo, other_hi = _tile_extrema(other_ids, other_lengths, other_block)
+  # `~x` reverses int32 order without overflow (unlike `-x` at int32 min).
+  search = lambda side: jax.vmap(functools.partial(jnp.searchsorted,
+                                                   side=side))
+  # First j with prefix_max(other_hi)[j] >= lo and with
+  # prefix_min(other_lo)[j] <= hi (both conditions hold from there on).
+  first = jnp.maximum(
+      search("left")(lax.cummax(other_hi, axis=1), lo),
+      search("left")(~lax.cummin(other_lo, axis=1), ~hi))
+  # One past the last j with suffix_max(other_hi)[j] >= lo and with
+  # suffix_min(other_lo)[j] <= hi (both hold up to there).
+  stop = jnp.minimum(
+      search("right")(~lax.cummax(other_hi, axis=1, reverse=True), ~lo),
+      search("right")(lax.cummin(other_lo, axis=1, reverse=True), hi))
+  first = first.astype(jnp.int32)
+  return first, jnp.maximum(stop.astype(jnp.int32), first)
+
+
+def segment_specs(q_seq: int, kv_seq: int, num_tiles: int,
+                  order=lambda f: f):
+  """BlockSpecs of the segment inputs, for grids (tile, batch, head).
+
+  `order`: as `forward.query_tile_grid`'s, for grids in another axis order.
+  """
+  row = lambda size: pl.BlockSpec((None, size),
+                                  order(lambda i, b, h: (b, 0)))
+  return [row(q_seq), row(kv_seq), row(num_tiles), row(num_tiles)]

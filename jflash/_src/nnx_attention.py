@@ -27,7 +27,8 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
   Differences from the stock module:
   - `__call__` also takes `query_seq_lengths` / `key_value_seq_lengths`
     (integer [batch...]) for padding, the kernels' native form of a padding
-    mask. A dense `mask`, `sow_weights=True`, active attention dropout and
+    mask, and `q_segment_ids` / `kv_segment_ids` for packed sequences. A
+    dense `mask`, `sow_weights=True`, active attention dropout and
     `input_positions` raise NotImplementedError.
   - The decode cache keeps one position per batch element: `cache_index` has
     shape [batch...] (the stock module keeps one scalar). Each decode step
@@ -90,6 +91,8 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       input_positions: jax.Array | None = None,
       query_seq_lengths: jax.Array | None = None,
       key_value_seq_lengths: jax.Array | None = None,
+      q_segment_ids: jax.Array | None = None,
+      kv_segment_ids: jax.Array | None = None,
   ) -> jax.Array:
     """Applies multi-head attention; arguments as nnx.MultiHeadAttention.
 
@@ -112,6 +115,10 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       input_positions: not supported (NotImplementedError).
       query_seq_lengths: integer [batch...]: rows past it output 0.
       key_value_seq_lengths: integer [batch...]: keys past it are masked.
+      q_segment_ids: integer [batch..., q_len], packed sequences: query t
+        sees key s only if q_segment_ids[..., t] == kv_segment_ids[..., s]
+        (see `jflash.flash_attention`). Not in decode steps.
+      kv_segment_ids: integer [batch..., kv_len]; with q_segment_ids.
 
     Returns:
       [batch..., q_len, out_features].
@@ -154,6 +161,9 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       if key_value_seq_lengths is not None:
         raise ValueError("key_value_seq_lengths cannot be given in decode "
                          "mode: the cache's cache_index sets them.")
+      if q_segment_ids is not None or kv_segment_ids is not None:
+        raise ValueError("Segment ids cannot be given in decode mode: a "
+                         "decode step attends to its cache's valid slots.")
       key, value, key_value_seq_lengths = self._append_to_cache(key, value)
       masking = flax_adapter.decode_step_masking(self.local_window_size)
     else:
@@ -165,6 +175,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
         dropout_rate=self.dropout_rate, deterministic=deterministic,
         dtype=self.dtype, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         implementation=self.implementation, block_sizes=self.block_sizes,
         interpret=self.interpret, logits_soft_cap=self.logits_soft_cap,
         local_window_size=self.local_window_size)

@@ -19,6 +19,9 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
                         is_causal: bool, bottom_right: bool = False,
                         logits_soft_cap: float | None = None,
                         window: tuple[int, int] | None = None,
+                        segment_ids: tuple[jax.Array, jax.Array] | None = None,
+                        bias: jax.Array | None = None,
+                        mask: jax.Array | None = None,
                         return_lse: bool = False):
   """Reference attention.
 
@@ -35,6 +38,11 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     logits_soft_cap: if set, logits become cap * tanh(logits / cap).
     window: (left, right): row r sees keys within [r - left, r + right]
       around its (causally aligned) diagonal, as jax.nn's local_window_size.
+    segment_ids: (q_ids int32 [batch, q_len], kv_ids int32 [batch, kv_len]):
+      row r sees key c only if q_ids[b, r] == kv_ids[b, c].
+    bias: [1 or batch, 1 or num_heads, q_len, kv_len], added to the (capped)
+      logits.
+    mask: bool, shaped as bias; False hides the entry.
     return_lse: also return the natural-log log-sum-exp of each row's
       visible logits, float32 [batch, q_len, num_heads] (-inf for rows
       with no visible key).
@@ -51,6 +59,14 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
                       preferred_element_type=jnp.float32) * scale
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+
+  def grouped(x):  # [Bb, 1 or N, T, S] -> [Bb, 1 or K, 1 or G, T, S].
+    if x.shape[1] == 1:
+      return x[:, :, None]
+    return x.reshape(x.shape[0], num_kv_heads, group, *x.shape[2:])
+
+  if bias is not None:
+    logits = logits + grouped(bias).astype(jnp.float32)
   rows = jnp.arange(q_seq)[:, None]
   cols = jnp.arange(kv_seq)[None, :]
   visible = cols[None] < kv_lens[:, None, None]
@@ -60,8 +76,14 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   if window is not None:
     visible = jnp.logical_and(visible, cols >= rows + offset - window[0])
     visible = jnp.logical_and(visible, cols <= rows + offset + window[1])
+  if segment_ids is not None:
+    q_ids, kv_ids = segment_ids
+    visible = jnp.logical_and(visible,
+                              q_ids[:, :, None] == kv_ids[:, None, :])
   visible = jnp.logical_and(visible, rows[None] < q_lens[:, None, None])
   visible = visible[:, None, None]  # [batch, 1, 1, q_len, kv_len]
+  if mask is not None:
+    visible = jnp.logical_and(visible, grouped(mask))
   logits = jnp.where(visible, logits, tiles.MASK_VALUE)
   row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   probs = jnp.where(visible, jnp.exp(logits - row_max), 0.0)

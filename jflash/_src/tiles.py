@@ -29,10 +29,11 @@ LOG2_E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _index(start, size: int, group_index):
+def _index(start, size: int, group_index, batch_index=None):
+  leading = () if batch_index is None else (batch_index,)
   if group_index is None:
-    return (pl.ds(start, size), slice(None))
-  return (pl.ds(start, size), group_index, slice(None))
+    return (*leading, pl.ds(start, size), slice(None))
+  return (*leading, pl.ds(start, size), group_index, slice(None))
 
 
 def _mask(start, size: int, seq_len: int | None, head_dim: int,
@@ -51,7 +52,7 @@ def _mask(start, size: int, seq_len: int | None, head_dim: int,
 
 
 def load_tile(ref, start, size: int, *, seq_len: int | None, head_dim: int,
-              group_index=None):
+              group_index=None, batch_index=None):
   """Loads rows [start, start + size) of a [seq, (group,) head_dim_p] ref.
 
   Args:
@@ -62,10 +63,11 @@ def load_tile(ref, start, size: int, *, seq_len: int | None, head_dim: int,
       whole tile is in bounds (this drops the row mask from the load).
     head_dim: the true head dimension; padding columns read as 0.
     group_index: index into the middle (head-group) axis, if the ref has one.
+    batch_index: index into a leading batch axis (whole-array refs).
   """
   head_dim_padded = ref.shape[-1]
   mask = _mask(start, size, seq_len, head_dim, head_dim_padded)
-  idx = _index(start, size, group_index)
+  idx = _index(start, size, group_index, batch_index)
   if mask is None:
     return plgpu.load(ref.at[idx])
   return plgpu.load(ref.at[idx], mask=mask, other=0.0)
@@ -83,13 +85,15 @@ def store_tile(ref, start, value, *, seq_len: int, head_dim: int,
 
 
 def load_row_stats(ref, start, size: int, *, seq_len: int, other: float,
-                   group_index=None):
+                   group_index=None, batch_index=None):
   """Loads a [size] slice of a per-row fp32 statistic (lse or delta)."""
   rows = start + jnp.arange(size, dtype=jnp.int32)
   if group_index is None:
     idx = (pl.ds(start, size),)
   else:
     idx = (group_index, pl.ds(start, size))
+  if batch_index is not None:
+    idx = (batch_index, *idx)
   return plgpu.load(ref.at[idx], mask=rows < seq_len, other=other)
 
 

@@ -1,0 +1,159 @@
+"""Dense `bias` and `mask` in the kernels, forward and gradients (dbias too).
+
+Against jax.nn.dot_product_attention (which has both) wherever every row sees
+a key; against jflash's pure-JAX path where rows are empty or for options
+jax.nn lacks.
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from tests import test_util
+
+B, T, S, N, K = 2, 40, 56, 4, 2
+
+
+def _bias_and_mask(shape, dtype="float32", seed=0):
+  """A random bias and a random mask that keeps the diagonal visible."""
+  keys = jax.random.split(jax.random.key(seed))
+  bias = 2.0 * jax.random.normal(keys[0], shape, jnp.dtype(dtype))
+  diagonal = jnp.eye(shape[-2], shape[-1], dtype=bool)
+  mask = jnp.logical_or(jax.random.uniform(keys[1], shape) > 0.3, diagonal)
+  return bias, mask
+
+
+def _value_and_grads(fn, q, k, v, bias, dout):
+  out, vjp = jax.vjp(fn, q, k, v, bias)
+  return (out, *vjp(dout.astype(out.dtype)))
+
+
+_NAMES = ("out", "dq", "dk", "dv", "dbias")
+
+
+class DenseTest(parameterized.TestCase):
+  INTERPRET = test_util.INTERPRET
+
+  def _results(self, q, k, v, bias, dout, **kwargs):
+    fn = functools.partial(
+        jflash.flash_attention, implementation="triton",
+        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
+        **kwargs)
+    return jax.jit(functools.partial(_value_and_grads, fn))(
+        q, k, v, bias, dout)
+
+  def _assert_close(self, results, q, k, v, bias, dout, *, xla=False,
+                    **kwargs):
+    """Within the tolerance table of jax.nn (or of jflash's XLA path)."""
+    if xla:
+      fn = functools.partial(jflash.flash_attention, implementation="xla",
+                             **kwargs)
+    else:
+      fn = functools.partial(jax.nn.dot_product_attention, **kwargs)
+    step = jax.jit(functools.partial(_value_and_grads, fn))
+    with jax.default_matmul_precision("highest"):
+      reference = step(*(x.astype(jnp.float32)
+                         for x in (q, k, v, bias, dout)))
+    low = step(q, k, v, bias, dout)
+    test_util._assert_within_table(self, results, reference, low, q.dtype,
+                                   names=_NAMES)
+
+  @parameterized.named_parameters(
+      ("shared", (1, 1, T, S)), ("per_batch", (B, 1, T, S)),
+      ("per_head", (1, N, T, S)), ("full", (B, N, T, S)),
+      ("rank_2", (T, S)))
+  def test_broadcast_shapes_match_jax_nn(self, shape):
+    q, k, v, dout = test_util.random_inputs(
+        90, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K)
+    bias, mask = _bias_and_mask(shape)
+    results = self._results(q, k, v, bias, dout, mask=mask, is_causal=True)
+    chex.assert_shape(results[-1], shape)
+    self._assert_close(results, q, k, v, bias, dout, mask=mask,
+                       is_causal=True)
+
+  def test_bfloat16_with_lengths_window_and_mqa(self):
+    q, k, v, dout = test_util.random_inputs(
+        91, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=1,
+        dtype="bfloat16")
+    bias, mask = _bias_and_mask((B, 1, T, S), dtype="bfloat16", seed=1)
+    kwargs = dict(mask=mask, is_causal=True, local_window_size=(13, 0),
+                  query_seq_lengths=jnp.array([T, 23], jnp.int32),
+                  key_value_seq_lengths=jnp.array([31, S], jnp.int32))
+    results = self._results(q, k, v, bias, dout, **kwargs)
+    self.assertEqual(results[-1].dtype, jnp.bfloat16)
+    self._assert_close(results, q, k, v, bias, dout, **kwargs)
+
+  def test_soft_cap_segments_and_bottom_right(self):
+    # jax.nn has neither: against jflash's XLA path (bias after the cap).
+    q, k, v, dout = test_util.random_inputs(
+        92, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K)
+    bias, mask = _bias_and_mask((1, N, T, S), seed=2)
+    ids = jnp.asarray(np.repeat([[0, 1, 2, 3]], B, 0).repeat(14, 1))
+    kwargs = dict(mask=mask, logits_soft_cap=2.0, is_causal=True,
+                  causal_alignment="bottom_right",
+                  q_segment_ids=ids[:, :T], kv_segment_ids=ids[:, :S])
+    results = self._results(q, k, v, bias, dout, **kwargs)
+    self._assert_close(results, q, k, v, bias, dout, xla=True, **kwargs)
+
+  def test_fully_masked_rows(self):
+    # Rows 5..20 of batch 0 see nothing: output 0, zero gradients (dbias
+    # included), everything finite.
+    q, k, v, dout = test_util.random_inputs(
+        93, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K)
+    bias, mask = _bias_and_mask((B, 1, T, S), seed=3)
+    mask = mask.at[0, :, 5:21].set(False)
+    out, dq, dk, dv, dbias = results = self._results(q, k, v, bias, dout,
+                                                     mask=mask)
+    chex.assert_tree_all_finite(results)
+    for name, x in (("out", out[0, 5:21]), ("dq", dq[0, 5:21]),
+                    ("dbias", dbias[0, :, 5:21])):
+      np.testing.assert_array_equal(np.asarray(x), 0.0, err_msg=name)
+    self._assert_close(results, q, k, v, bias, dout, xla=True, mask=mask)
+
+  def test_mask_alone_and_unbatched(self):
+    q, k, v, dout = test_util.random_inputs(
+        94, batch=1, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K)
+    _, mask = _bias_and_mask((N, T, S), seed=4)
+    fn = lambda q, k, v: jflash.flash_attention(
+        q, k, v, mask=mask, interpret=self.INTERPRET,
+        block_sizes=test_util.SMALL_BLOCKS)
+    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+        fn, q[0], k[0], v[0], dout[0])
+    test_util.assert_close_to_jax_nn(
+        self, tuple(x[None] for x in results), q, k, v, dout, mask=mask)
+
+  def test_vmap_raises(self):
+    q, k, v, _ = test_util.random_inputs(95, q_len=8, kv_len=8)
+    flash = lambda q, k, v: jflash.flash_attention(
+        q, k, v, bias=jnp.zeros((8, 8)), interpret=True)
+    with self.assertRaisesRegex(NotImplementedError, "vmap"):
+      jax.vmap(flash)(q, k, v)
+
+  @parameterized.named_parameters(
+      ("bias_rank_5", "bias", jnp.zeros((1, 2, 4, 16, 24)),
+       "at most 4 dimensions"),
+      ("bias_heads", "bias", jnp.zeros((2, 3, 16, 24)),
+       r"broadcastable to \[B, N, T, S\] = \(2, 4, 16, 24\)"),
+      ("bias_int", "bias", jnp.zeros((16, 24), jnp.int32),
+       "bias must be a floating-point array"),
+      ("mask_length", "mask", jnp.ones((16, 23), bool),
+       r"mask.shape=\(16, 23\)"),
+      ("mask_float", "mask", jnp.ones((16, 24)),
+       "mask must be a boolean array"),
+  )
+  def test_bad_bias_or_mask(self, name, value, message):
+    q, k, v = (jnp.ones((2, 16, 4, 32)), jnp.ones((2, 24, 2, 32)),
+               jnp.ones((2, 24, 2, 32)))
+    with self.assertRaisesRegex(ValueError, message):
+      jax.jit(functools.partial(jflash.flash_attention, interpret=True,
+                                **{name: value})).lower(q, k, v)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,254 @@
+"""Segment ids (packed sequences) in both kernels, against jax.nn.
+
+jax.nn has no segment ids: it gets the equivalent dense boolean mask
+q_ids[b, t] == kv_ids[b, s]. Where rows may see no key at all (jax.nn
+averages the values there, jflash outputs 0), or with options jax.nn lacks,
+the reference is jflash's pure-JAX path, itself checked against jax.nn here.
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from jflash._src import masks
+from tests import test_util
+
+
+def _ids(*runs):
+  """Segment ids from (id, length) runs: _ids((0, 3), (1, 2)) = [0 0 0 1 1]."""
+  return np.concatenate([np.full(n, i, np.int32) for i, n in runs])
+
+
+def _batch(*rows):
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def _dense_mask(q_ids, kv_ids):
+  """jax.nn's equivalent of segment ids: bool [B, 1, T, S]."""
+  return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+
+
+# Two batch elements of packed self-attention, segments of odd lengths.
+PACKED = _batch(_ids((0, 13), (1, 30), (2, 27), (3, 1)),
+                _ids((7, 40), (3, 5), (9, 26)))
+
+
+class SegmentsTest(parameterized.TestCase):
+  INTERPRET = test_util.INTERPRET
+
+  def _step(self, **kwargs):
+    """Jitted (q, k, v, dout) -> (out, dq, dk, dv) of the kernels."""
+    fn = functools.partial(
+        jflash.flash_attention, implementation="triton",
+        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
+        **kwargs)
+    return jax.jit(functools.partial(test_util.value_and_grads, fn))
+
+  def _results(self, q, k, v, dout, **kwargs):
+    return self._step(**kwargs)(q, k, v, dout)
+
+  @parameterized.named_parameters(
+      ("float32", "float32", False), ("float32_causal", "float32", True),
+      ("bfloat16_causal", "bfloat16", True))
+  def test_packed_self_attention(self, dtype, is_causal):
+    q, k, v, dout = test_util.random_inputs(
+        80, q_len=71, kv_len=71, num_heads=4, num_kv_heads=2, dtype=dtype)
+    results = self._results(q, k, v, dout, is_causal=is_causal,
+                            q_segment_ids=PACKED, kv_segment_ids=PACKED)
+    test_util.assert_close_to_jax_nn(self, results, q, k, v, dout,
+                                     is_causal=is_causal,
+                                     mask=_dense_mask(PACKED, PACKED))
+
+  def test_unsorted_ids_cross_attention(self):
+    # Ids in no order, a segment split into several runs, T != S; every
+    # query id occurs among the keys (so no row is empty, as jax.nn needs).
+    q_ids = _batch(_ids((2, 9), (0, 20), (2, 11), (-1, 8)),
+                   _ids((5, 30), (1, 18)))
+    kv_ids = _batch(_ids((0, 33), (2, 17), (-1, 30), (0, 20), (2, 5)),
+                    _ids((1, 3), (5, 60), (1, 40), (4, 2)))
+    q, k, v, dout = test_util.random_inputs(81, q_len=48, kv_len=105)
+    results = self._results(q, k, v, dout, q_segment_ids=q_ids,
+                            kv_segment_ids=kv_ids)
+    test_util.assert_close_to_jax_nn(self, results, q, k, v, dout,
+                                     mask=_dense_mask(q_ids, kv_ids))
+
+  @parameterized.named_parameters(
+      ("causal_window_lengths_gqa", dict(
+          is_causal=True, local_window_size=(20, 0),
+          query_seq_lengths=jnp.array([71, 50], jnp.int32),
+          key_value_seq_lengths=jnp.array([60, 71], jnp.int32))),
+      ("bottom_right_window_soft_cap", dict(
+          is_causal=True, causal_alignment="bottom_right",
+          local_window_size=(9, 4), logits_soft_cap=3.0,
+          query_seq_lengths=jnp.array([44, 71], jnp.int32),
+          key_value_seq_lengths=jnp.array([71, 30], jnp.int32))),
+  )
+  def test_with_every_other_mask(self, options):
+    q, k, v, dout = test_util.random_inputs(
+        82, q_len=71, kv_len=71, num_heads=4, num_kv_heads=1)
+    kwargs = dict(options, q_segment_ids=PACKED, kv_segment_ids=PACKED)
+    results = self._results(q, k, v, dout, **kwargs)
+    test_util.assert_close_to_reference(self, results, q, k, v, dout,
+                                        **kwargs)
+
+  def test_rows_whose_segment_has_no_keys(self):
+    # Query segment 4 (rows 20..44, mid-sequence) has no key: those rows
+    # output 0 and pass zero, finite gradients; keys of segment 6 are seen by
+    # no query and get zero dK/dV.
+    q_ids = _batch(_ids((1, 20), (4, 25), (2, 19)),
+                   _ids((3, 10), (4, 54)))
+    kv_ids = _batch(_ids((1, 17), (6, 40), (2, 23)),
+                    _ids((3, 80)))
+    q, k, v, dout = test_util.random_inputs(83, q_len=64, kv_len=80)
+    kwargs = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    out, dq, dk, dv = results = self._results(q, k, v, dout, **kwargs)
+    chex.assert_tree_all_finite(results)
+    for name, x in (("out", out[0, 20:45]), ("dq", dq[0, 20:45]),
+                    ("out_1", out[1, 10:]), ("dq_1", dq[1, 10:]),
+                    ("dk", dk[0, 17:57]), ("dv", dv[0, 17:57])):
+      np.testing.assert_array_equal(np.asarray(x), 0.0, err_msg=name)
+    test_util.assert_close_to_reference(self, results, q, k, v, dout,
+                                        **kwargs)
+
+  @parameterized.named_parameters(("full", False), ("causal", True))
+  def test_tiles_of_other_segments_are_never_read(self, is_causal):
+    # Keys 64.. belong to a segment no query has, and queries 32.. to a
+    # segment with no key: poison them (and those rows' output cotangents)
+    # with NaN. Tile edges (32, 64) are multiples of every SMALL_BLOCKS
+    # tile, so whole tiles are skipped in the forward, dK/dV and dQ kernels;
+    # any read of them would turn the results NaN.
+    q, k, v, dout = test_util.random_inputs(
+        84, batch=1, q_len=64, kv_len=128, num_heads=4, num_kv_heads=2)
+    kwargs = dict(is_causal=is_causal,
+                  q_segment_ids=_batch(_ids((1, 32), (3, 32))),
+                  kv_segment_ids=_batch(_ids((1, 64), (2, 64))))
+    step = self._step(**kwargs)
+    clean = step(q, k, v, dout)
+    poisoned = step(q.at[:, 32:].set(jnp.nan), k.at[:, 64:].set(jnp.nan),
+                    v.at[:, 64:].set(jnp.nan), dout.at[:, 32:].set(jnp.nan))
+    chex.assert_tree_all_finite(poisoned)
+    chex.assert_trees_all_equal(poisoned, clean)
+
+  def test_unbatched_and_vmapped(self):
+    q, k, v, dout = test_util.random_inputs(85, q_len=71, kv_len=71)
+    batched = self._results(q, k, v, dout, q_segment_ids=PACKED,
+                            kv_segment_ids=PACKED)
+    # vmap over unbatched calls: the segment ids fold into the batch too.
+    flash = lambda q, k, v, ids: jflash.flash_attention(
+        q, k, v, interpret=self.INTERPRET,
+        block_sizes=test_util.SMALL_BLOCKS, q_segment_ids=ids,
+        kv_segment_ids=ids)
+    vmapped = jax.jit(test_util.value_and_grads, static_argnums=0)(
+        lambda q, k, v: jax.vmap(flash)(q, k, v, PACKED), q, k, v, dout)
+    chex.assert_trees_all_close(vmapped, batched, rtol=1e-6, atol=1e-6)
+
+  def test_xla_path_matches_jax_nn(self):
+    q, k, v, dout = test_util.random_inputs(86, q_len=71, kv_len=71,
+                                            num_heads=4, num_kv_heads=2)
+    kwargs = dict(is_causal=True,
+                  query_seq_lengths=jnp.array([71, 60], jnp.int32))
+    fn = lambda q, k, v: jflash.flash_attention(
+        q, k, v, implementation="xla", q_segment_ids=PACKED,
+        kv_segment_ids=PACKED, **kwargs)
+    results = test_util.value_and_grads(fn, q, k, v, dout)
+    test_util.assert_close_to_jax_nn(self, results, q, k, v, dout,
+                                     mask=_dense_mask(PACKED, PACKED),
+                                     **kwargs)
+
+  @parameterized.named_parameters(
+      ("only_q", dict(q_segment_ids=jnp.zeros((2, 16), jnp.int32)),
+       r"q_segment_ids \(shape \(2, 16\)\) was given without kv_segment_ids"),
+      ("only_kv", dict(kv_segment_ids=jnp.zeros((2, 24), jnp.int32)),
+       "kv_segment_ids .* was given without q_segment_ids"),
+      ("q_wrong_length", dict(q_segment_ids=jnp.zeros((2, 24), jnp.int32),
+                              kv_segment_ids=jnp.zeros((2, 24), jnp.int32)),
+       r"q_segment_ids must have shape \[B, T\] = \(2, 16\); got "
+       r"q_segment_ids.shape=\(2, 24\)"),
+      ("kv_unbatched", dict(q_segment_ids=jnp.zeros((2, 16), jnp.int32),
+                            kv_segment_ids=jnp.zeros((24,), jnp.int32)),
+       r"kv_segment_ids must have shape \[B, S\] = \(2, 24\)"),
+      ("float", dict(q_segment_ids=jnp.zeros((2, 16), jnp.float32),
+                     kv_segment_ids=jnp.zeros((2, 24), jnp.int32)),
+       "q_segment_ids must be an integer array; got "
+       "q_segment_ids.dtype=float32"),
+  )
+  def test_bad_segment_ids(self, kwargs, message):
+    q, k, v = (jnp.ones((2, 16, 4, 32)), jnp.ones((2, 24, 2, 32)),
+               jnp.ones((2, 24, 2, 32)))
+    with self.assertRaisesRegex(ValueError, message):
+      # Validation runs at trace time, before any kernel is lowered.
+      jax.jit(functools.partial(jflash.flash_attention, interpret=True,
+                                **kwargs)).lower(q, k, v)
+
+  def test_bad_unbatched_segment_ids(self):
+    q, k, v = jnp.ones((16, 4, 32)), jnp.ones((24, 2, 32)), jnp.ones(
+        (24, 2, 32))
+    with self.assertRaisesRegex(ValueError, r"shape \[T\] = \(16,\)"):
+      jflash.flash_attention(q, k, v, q_segment_ids=jnp.zeros((1, 16), int),
+                             kv_segment_ids=jnp.zeros((24,), int))
+
+
+class SegmentTileRangesTest(parameterized.TestCase):
+  """The host-side tile ranges, against brute force."""
+
+  def _brute_force(self, ids, lengths, block, other_ids, other_lengths,
+                   other_block):
+    """Per tile pair (b, i, j): do they share a segment, and do their [min,
+    max] id intervals meet (over valid positions)?"""
+    tiles = lambda x, n, size, length: [
+        x[i * size:min((i + 1) * size, length)]
+        for i in range(-(-n // size))]
+    shape = (ids.shape[0], -(-ids.shape[1] // block),
+             -(-other_ids.shape[1] // other_block))
+    shares, intervals_meet = np.zeros(shape, bool), np.zeros(shape, bool)
+    for b in range(shape[0]):
+      mine = tiles(ids[b], ids.shape[1], block, lengths[b])
+      theirs = tiles(other_ids[b], other_ids.shape[1], other_block,
+                     other_lengths[b])
+      for i, j in np.ndindex(shape[1:]):
+        if mine[i].size and theirs[j].size:
+          shares[b, i, j] = bool(set(mine[i]) & set(theirs[j]))
+          intervals_meet[b, i, j] = (theirs[j].max() >= mine[i].min()
+                                     and theirs[j].min() <= mine[i].max())
+    return shares, intervals_meet
+
+  @parameterized.named_parameters(("sorted", True), ("unsorted", False))
+  def test_ranges_hold_every_meeting_tile(self, is_sorted):
+    rng = np.random.default_rng(7)
+    # Few shapes (each compiles once), many random ids and lengths.
+    ranges = jax.jit(masks.segment_tile_ranges, static_argnums=(2, 5))
+    for seq, other_seq, block, other_block in (
+        [(45, 37, 4, 8)] * 15 + [(9, 50, 16, 4)] * 15 + [(33, 33, 8, 8)] * 15):
+      ids = rng.integers(-2, 5, (2, seq)).astype(np.int32)
+      other_ids = rng.integers(-2, 5, (2, other_seq)).astype(np.int32)
+      if is_sorted:
+        ids, other_ids = np.sort(ids, axis=1), np.sort(other_ids, axis=1)
+      lengths = rng.integers(0, seq + 1, 2).astype(np.int32)
+      other_lengths = rng.integers(0, other_seq + 1, 2).astype(np.int32)
+      first, stop = ranges(ids, lengths, block, other_ids, other_lengths,
+                           other_block)
+      shares, intervals_meet = self._brute_force(
+          ids, lengths, block, other_ids, other_lengths, other_block)
+      for b, i in np.ndindex(shares.shape[:2]):
+        self.assertLessEqual(first[b, i], stop[b, i])
+        needed = np.flatnonzero(shares[b, i])
+        if needed.size:  # Every tile sharing a segment is in the range.
+          self.assertLessEqual(first[b, i], needed[0])
+          self.assertGreater(stop[b, i], needed[-1])
+        if is_sorted:  # Tight: the first and last tiles whose intervals meet.
+          meeting = np.flatnonzero(intervals_meet[b, i])
+          if meeting.size:
+            self.assertEqual((first[b, i], stop[b, i]),
+                             (meeting[0], meeting[-1] + 1))
+          else:
+            self.assertEqual(first[b, i], stop[b, i])
+
+
+if __name__ == "__main__":
+  absltest.main()
