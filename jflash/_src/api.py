@@ -11,6 +11,7 @@ import numpy as np
 
 from jflash._src import autotune
 from jflash._src import kernel_vjp
+from jflash._src import modifiers
 from jflash._src import platform
 from jflash._src import reference
 from jflash._src.block_sizes import BlockSizes
@@ -41,6 +42,7 @@ def flash_attention(
     logits_soft_cap: float | None = None,
     causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
     return_residuals: bool = False,
+    sinks: jax.typing.ArrayLike | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
 
@@ -67,6 +69,14 @@ def flash_attention(
   key_value_seq_lengths[b] == 0) output exactly 0 and pass zero gradients.
   jax.nn also zeroes rows past query_seq_lengths, but gives rows with
   key_value_seq_lengths == 0 the mean of all values; jflash gives 0.
+
+  Attention sinks (gpt-oss): with `sinks`, row t of head n computes
+  `out_t = sum_s exp(x_ts) v_s / (exp(sinks[n]) + sum_s exp(x_ts))` over its
+  visible keys s (x = the scaled, capped logits): a softmax over the logits
+  and one extra logit that has no value vector. A row t < query_seq_lengths
+  that sees no key then has a finite denominator: it outputs 0, its lse is
+  sinks[n], and its sink takes a gradient from the lse only. Rows past
+  query_seq_lengths stay empty (output 0, lse -inf, zero gradients).
 
   Args:
     query: [B, T, N, H] or unbatched [T, N, H].
@@ -100,6 +110,12 @@ def flash_attention(
       for rows with no visible key. It is differentiable, so partial
       attentions over key shards can be merged (ring attention):
       lse = logaddexp(lse_1, lse_2), out = sum_i out_i * exp(lse_i - lse).
+      With `sinks`, the lse includes the sink term: log(exp(sinks[n]) +
+      sum_s exp(x_ts)) (merge shards computed without sinks, then add the
+      sink to the merged lse, not to every shard's).
+    sinks: float [N], one learnable logit per query head, in natural-log
+      units and not multiplied by `scale` (see above); differentiable. A
+      sink of -inf is no sink. Default None: no sinks.
 
   Returns:
     Array of `query`'s shape and dtype; with return_residuals=True, the
@@ -114,6 +130,7 @@ def flash_attention(
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   _check_operands(query, key, value)
+  sinks = _check_sinks(sinks, query.shape)
   if bias is not None:
     raise NotImplementedError(
         "flash_attention: `bias` is not supported yet; pass bias=None.")
@@ -152,12 +169,18 @@ def flash_attention(
   kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
                            batch, kv_seq)
   use_kernels = _choose_implementation(implementation, interpret, block_sizes)
+  mods = modifiers.Operands(
+      sinks=None if sinks is None else jnp.broadcast_to(
+          sinks.astype(jnp.float32), (batch, num_heads)))
 
   lse = None
   if 0 in (batch, q_seq, kv_seq, num_heads):
     # Nothing to attend to (or nothing asked): every row is empty.
     out = jnp.zeros(query.shape, query.dtype)
     lse = jnp.full((batch, q_seq, num_heads), -jnp.inf, jnp.float32)
+    if sinks is not None:  # Rows before q_len: the sink alone.
+      valid = jnp.arange(q_seq)[None, :, None] < q_lens[:, None, None]
+      lse = jnp.where(valid, mods.sinks[:, None, :], lse)
   elif use_kernels:
     if block_sizes is None:
       shape = dict(q_len=q_seq, kv_len=kv_seq, head_dim=head_dim,
@@ -172,19 +195,21 @@ def flash_attention(
     config = KernelConfig(scale=scale, is_causal=bool(is_causal),
                           block_sizes=block_sizes, interpret=bool(interpret),
                           has_lengths=has_lengths, bottom_right=bottom_right,
-                          logits_soft_cap=logits_soft_cap, window=window)
+                          logits_soft_cap=logits_soft_cap, window=window,
+                          modifiers=modifiers.ModifierSpec(
+                              has_sinks=sinks is not None))
     if return_residuals:
       out, lse = kernel_vjp.flash_attention_kernels_with_lse(
-          query, key, value, q_lens, kv_lens, config)
+          query, key, value, q_lens, kv_lens, mods, config)
     else:
       out = kernel_vjp.flash_attention_kernels(query, key, value, q_lens,
-                                               kv_lens, config)
+                                               kv_lens, mods, config)
   else:
     result = reference.attention_reference(
         query, key, value, q_lens, kv_lens, scale=scale,
         is_causal=bool(is_causal), bottom_right=bottom_right,
         logits_soft_cap=logits_soft_cap, window=window,
-        return_lse=bool(return_residuals))
+        sinks=mods.sinks, return_lse=bool(return_residuals))
     out, lse = result if return_residuals else (result, None)
   if unbatched:
     out = out[0]
@@ -229,6 +254,23 @@ def _check_operands(query, key, value):
         f"{head_dim=} ({shapes}).")
   if head_dim == 0:
     raise ValueError(f"head_dim must be positive; got {shapes}.")
+
+
+def _check_sinks(sinks, query_shape):
+  """Validates sinks: a float [num_heads] array, or None."""
+  if sinks is None:
+    return None
+  sinks = jnp.asarray(sinks)
+  num_heads = query_shape[-2]
+  if sinks.shape != (num_heads,):
+    raise ValueError(
+        f"sinks must have shape (num_heads,) = ({num_heads},), one logit per "
+        f"query head; got sinks.shape={sinks.shape} (query.shape="
+        f"{query_shape}).")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"sinks must be a float array; got "
+                     f"sinks.dtype={sinks.dtype}.")
+  return sinks
 
 
 def _check_static_float(value, name: str) -> float:

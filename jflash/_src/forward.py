@@ -12,7 +12,9 @@ Outputs: O in the input dtype and the per-row log-sum-exp in fp32, in base 2
 of the scaled logits: lse2 = log2(sum_c 2^(scale * log2(e) * q.k_c)). It is
 the only statistic the backward needs (p = 2^(s2 - lse2)). A row that sees no
 key at all (past q_len, or kv_len == 0) gets O = 0 and lse2 = +inf, which
-makes every probability the backward recomputes for it exactly 0.
+makes every probability the backward recomputes for it exactly 0. With
+attention sinks (modifiers.py) the lse includes the sink term, and a row
+before q_len that sees no key gets O = 0 and lse2 = its sink.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from jflash._src import masks
+from jflash._src import modifiers
 from jflash._src import tiles
 from jflash._src.block_sizes import BlockSizes
 
@@ -43,6 +46,7 @@ class KernelConfig:
   bottom_right: bool = False
   logits_soft_cap: float | None = None
   window: tuple[int, int] | None = None
+  modifiers: modifiers.ModifierSpec = modifiers.ModifierSpec()
 
   @property
   def mask(self) -> masks.MaskSpec:
@@ -58,10 +62,14 @@ def head_dim_padded(head_dim: int) -> int:
 # FlashAttention-2 (Dao, 2023), Algorithm 1, one query tile per program.
 def forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,  # Inputs.
-    o_ref, lse_ref,  # Outputs.
-    *, mask: masks.MaskSpec, scale: float, soft_cap: float | None,
+    *refs,  # Modifier operands (modifiers.py), then outputs o_ref, lse_ref.
+    mask: masks.MaskSpec, scale: float, soft_cap: float | None,
     block_q: int, block_k: int, head_dim: int,
+    mods: modifiers.ModifierSpec = modifiers.ModifierSpec(),
 ):
+  *mod_refs, o_ref, lse_ref = refs
+  head_mods = modifiers.HeadModifiers(mods, mod_refs,
+                                      head=lambda: pl.program_id(2))
   q_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
@@ -105,8 +113,10 @@ def forward_kernel(
                             offset)
   carry = (
       jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
-      jnp.full((block_q,), tiles.MASK_VALUE, jnp.float32),
-      jnp.zeros((block_q,), jnp.float32),
+      # Row max and row sum: nothing seen yet, or a sink (modifiers.py).
+      *(head_mods.initial_row_stats(block_q) or (
+          jnp.full((block_q,), tiles.MASK_VALUE, jnp.float32),
+          jnp.zeros((block_q,), jnp.float32))),
   )
   for lo, hi, needs_mask in blocks.segments():
     carry = lax.fori_loop(
@@ -123,7 +133,8 @@ def forward_kernel(
   tiles.store_row_stats(lse_ref, q_start, lse, seq_len=q_seq)
 
 
-def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
+def forward_call(q, k, v, q_lens, kv_lens, *mod_operands,
+                 config: KernelConfig):
   """Launches the forward kernel.
 
   Args:
@@ -132,6 +143,7 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
     v: [batch, kv_len, num_kv_heads, head_dim].
     q_lens: int32 [batch], valid query rows per batch element, in [0, q_len].
     kv_lens: int32 [batch], valid keys per batch element, in [0, kv_len].
+    *mod_operands: the operands of `config.modifiers`, in its order.
     config: static kernel configuration.
 
   Returns:
@@ -148,7 +160,7 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
   kernel = functools.partial(
       forward_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
-      block_k=block_k, head_dim=head_dim)
+      block_k=block_k, head_dim=head_dim, mods=config.modifiers)
   q_spec = pl.BlockSpec((None, q_seq, None, head_dim_p),
                         lambda i, b, h: (b, 0, h, 0))
   kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
@@ -158,7 +170,8 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(q_seq, block_q), batch, num_heads),
-      in_specs=[q_spec, kv_spec, kv_spec, lengths_spec, lengths_spec],
+      in_specs=[q_spec, kv_spec, kv_spec, lengths_spec, lengths_spec,
+                *config.modifiers.operand_specs(num_heads)],
       out_specs=[q_spec, lse_spec],
       out_shape=[
           jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -169,4 +182,4 @@ def forward_call(q, k, v, q_lens, kv_lens, *, config: KernelConfig):
           num_stages=config.block_sizes.num_stages),
       interpret=config.interpret,
       name="jflash_forward",
-  )(q, k, v, q_lens, kv_lens)
+  )(q, k, v, q_lens, kv_lens, *mod_operands)

@@ -2,9 +2,9 @@
 
 Two entry points share the rules: `flash_attention_kernels` (the output) and
 `flash_attention_kernels_with_lse` (output and natural-log lse, both
-differentiable). Residuals saved by the forward rule: q, k, v, the output O
-and the base-2 log-sum-exp (float32 [batch, num_heads, q_len]); nothing of
-size seq x seq.
+differentiable). Residuals saved by the forward rule: q, k, v, the output O,
+the base-2 log-sum-exp (float32 [batch, num_heads, q_len]) and the
+modifiers' operands (modifiers.py); nothing of size seq x seq.
 
 Transforms:
 - `vmap`: each kernel launch is wrapped with `fold_vmap_into_batch`, which
@@ -26,6 +26,8 @@ import jax.numpy as jnp
 
 from jflash._src import backward
 from jflash._src import forward
+from jflash._src import modifiers
+from jflash._src import tiles
 from jflash._src.forward import KernelConfig
 
 
@@ -77,13 +79,30 @@ def _no_higher_order(fn, what: str):
   return wrapped
 
 
-def _forward(q, k, v, q_lens, kv_lens, config: KernelConfig):
+def _forward(q, k, v, q_lens, kv_lens, mods: modifiers.Operands,
+             config: KernelConfig):
   call = functools.partial(forward.forward_call, config=config)
-  return fold_vmap_into_batch(call)(q, k, v, q_lens, kv_lens)
+  return fold_vmap_into_batch(call)(q, k, v, q_lens, kv_lens,
+                                    *config.modifiers.select(mods))
 
 
-def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, dout,
-              dlse=None):
+def _sinks_gradient(sinks, lse2, delta):
+  """d loss / d sinks, float32 [batch, num_heads].
+
+  The sink enters row t only through its normalizer: with
+  p_sink = exp(sink - lse), d lse / d sink = p_sink and d p_c / d sink =
+  -p_c p_sink, so d out_t / d sink = -p_sink out_t and the row contributes
+  p_sink * (dlse_t - dO_t . O_t) = -p_sink * delta_t (delta already shifted
+  by dlse). Rows with lse2 = +-inf (padding rows, or a -inf sink and no key)
+  contribute 0.
+  """
+  p_sink = jnp.where(jnp.isinf(lse2), 0.0,
+                     jnp.exp2(sinks[..., None] * tiles.LOG2_E - lse2))
+  return -jnp.sum(p_sink * delta, axis=-1)
+
+
+def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, mods,
+              dout, dlse=None):
   delta = fold_vmap_into_batch(
       functools.partial(backward.delta_call, config=config))(out, dout)
   if dlse is not None:
@@ -96,7 +115,10 @@ def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, dout,
   dq = fold_vmap_into_batch(
       functools.partial(backward.dq_call, config=config))(
           q, k, v, dout, lse, delta, q_lens, kv_lens)
-  return dq, dk, dv
+  dmods = modifiers.Operands(
+      sinks=(None if mods.sinks is None
+             else _sinks_gradient(mods.sinks, lse, delta)))
+  return dq, dk, dv, dmods
 
 
 def natural_lse(lse2):
@@ -112,26 +134,26 @@ def natural_lse(lse2):
 def _make_kernels_vjp(with_lse: bool):
   """The custom_vjp function, returning out or (out, natural lse)."""
 
-  def kernels(q, k, v, q_lens, kv_lens, config: KernelConfig):
-    out, lse2 = _forward(q, k, v, q_lens, kv_lens, config)
+  def kernels(q, k, v, q_lens, kv_lens, mods, config: KernelConfig):
+    out, lse2 = _forward(q, k, v, q_lens, kv_lens, mods, config)
     return (out, natural_lse(lse2)) if with_lse else out
 
   kernels.__name__ = kernels.__qualname__ = (
       "flash_attention_kernels_with_lse" if with_lse
       else "flash_attention_kernels")
-  kernels = jax.custom_vjp(kernels, nondiff_argnums=(5,))
+  kernels = jax.custom_vjp(kernels, nondiff_argnums=(6,))
 
-  def fwd_rule(q, k, v, q_lens, kv_lens, config: KernelConfig):
+  def fwd_rule(q, k, v, q_lens, kv_lens, mods, config: KernelConfig):
     # Differentiating the forward rule happens only for higher-order
     # derivatives: make that a clear error rather than a Pallas internal one.
     forward_fn = _no_higher_order(
         functools.partial(_forward, config=config), "the forward pass")
-    out, lse2 = forward_fn(q, k, v, q_lens, kv_lens)
+    out, lse2 = forward_fn(q, k, v, q_lens, kv_lens, mods)
     primal = (out, natural_lse(lse2)) if with_lse else out
-    return primal, (q, k, v, out, lse2, q_lens, kv_lens)
+    return primal, (q, k, v, out, lse2, q_lens, kv_lens, mods)
 
   def bwd_rule(config: KernelConfig, residuals, cotangent):
-    q, k, v, out, lse2, q_lens, kv_lens = residuals
+    q, k, v, out, lse2, q_lens, kv_lens, mods = residuals
     dlse = None
     if with_lse:
       dout, dlse = cotangent
@@ -141,15 +163,17 @@ def _make_kernels_vjp(with_lse: bool):
       dout = cotangent
     backward_fn = _no_higher_order(
         functools.partial(_backward, config), "the backward pass")
-    dq, dk, dv = backward_fn(q, k, v, out, lse2, q_lens, kv_lens, dout, dlse)
+    dq, dk, dv, dmods = backward_fn(q, k, v, out, lse2, q_lens, kv_lens, mods,
+                                    dout, dlse)
     # Lengths are integers: no cotangent.
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, dmods
 
   kernels.defvjp(fwd_rule, bwd_rule)
   return kernels
 
 
-# Attention through the Pallas kernels; shapes as `forward.forward_call`.
+# Attention through the Pallas kernels; shapes as `forward.forward_call`, and
+# `mods` a modifiers.Operands.
 flash_attention_kernels = _make_kernels_vjp(with_lse=False)
 # The same, also returning the natural-log lse [B, T, N], differentiable.
 flash_attention_kernels_with_lse = _make_kernels_vjp(with_lse=True)

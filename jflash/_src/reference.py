@@ -19,7 +19,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
                         is_causal: bool, bottom_right: bool = False,
                         logits_soft_cap: float | None = None,
                         window: tuple[int, int] | None = None,
-                        return_lse: bool = False):
+                        sinks=None, return_lse: bool = False):
   """Reference attention.
 
   Args:
@@ -35,6 +35,9 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     logits_soft_cap: if set, logits become cap * tanh(logits / cap).
     window: (left, right): row r sees keys within [r - left, r + right]
       around its (causally aligned) diagonal, as jax.nn's local_window_size.
+    sinks: float32 [batch, num_heads] natural-log sink logits, or None: an
+      extra exp(sink) term in the softmax denominator of every valid row
+      (rows past q_len stay empty).
     return_lse: also return the natural-log log-sum-exp of each row's
       visible logits, float32 [batch, q_len, num_heads] (-inf for rows
       with no visible key).
@@ -63,9 +66,17 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   visible = jnp.logical_and(visible, rows[None] < q_lens[:, None, None])
   visible = visible[:, None, None]  # [batch, 1, 1, q_len, kv_len]
   logits = jnp.where(visible, logits, tiles.MASK_VALUE)
-  row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  if sinks is not None:
+    # [batch, num_heads] -> [batch, kv_heads, group, 1, 1], like the logits.
+    sinks = sinks.reshape(batch, num_kv_heads, group, 1, 1)
+    row_max = jnp.maximum(row_max, sinks)
+  row_max = jax.lax.stop_gradient(row_max)
   probs = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
   row_sum = jnp.sum(probs, axis=-1, keepdims=True)
+  if sinks is not None:
+    valid_row = (rows[None] < q_lens[:, None, None])[:, None, None]
+    row_sum = row_sum + jnp.where(valid_row, jnp.exp(sinks - row_max), 0.0)
   safe_sum = jnp.where(row_sum > 0.0, row_sum, 1.0)
   probs = probs / safe_sum
   out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,

@@ -1,0 +1,104 @@
+"""Per-head score modifiers, shared by the forward and backward kernels.
+
+Options that change the softmax but not which keys are visible:
+
+- attention sinks (`sinks`, one natural-log logit per query head): an extra
+  term exp(sink) in every row's softmax denominator, with no value vector.
+  The forward starts each row's online softmax from it (row max = the sink,
+  row sum = 1), so the stored lse includes it and the backward's recomputed
+  probabilities need nothing more; only the forward reads the sinks.
+
+Each modifier is off by default and then adds no operand and no operation to
+any kernel (the default kernels' jaxprs are unchanged). Per-head operands
+reach the kernels as float32 [batch, num_heads] arrays (batch axis first, as
+`kernel_vjp.fold_vmap_into_batch` requires); a program reads its head's entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from jflash._src import tiles
+
+
+class Operands(NamedTuple):
+  """The modifiers' arrays (None when off), batch axis first.
+
+  Attributes:
+    sinks: float32 [batch, num_heads], natural-log sink logits.
+  """
+
+  sinks: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModifierSpec:
+  """Static part of the modifiers: which are on.
+
+  Attributes:
+    has_sinks: per-head attention sinks (forward kernel only).
+  """
+
+  has_sinks: bool = False
+
+  def for_backward(self) -> ModifierSpec:
+    """The modifiers the backward kernels see (sinks live in the lse)."""
+    return dataclasses.replace(self, has_sinks=False)
+
+  @property
+  def num_operands(self) -> int:
+    return int(self.has_sinks)
+
+  def select(self, operands: Operands) -> list[jax.Array]:
+    """The kernel operands of these modifiers, in kernel order."""
+    return [operands.sinks] if self.has_sinks else []
+
+  def operand_specs(self, num_heads: int) -> list[pl.BlockSpec]:
+    """BlockSpecs of the operands: each program gets its batch row.
+
+    Every jflash grid has the batch on axis 1.
+    """
+    return [pl.BlockSpec((None, num_heads), lambda i, b, h: (b, 0))
+            for _ in range(self.num_operands)]
+
+
+class HeadModifiers:
+  """The modifiers of one query head, as a kernel program sees them.
+
+  Built once per head (before the loop over tiles), so per-head scalars are
+  loaded from memory once.
+  """
+
+  def __init__(self, spec: ModifierSpec, refs, head: Callable[[], jax.Array]):
+    """Loads the head's scalars.
+
+    Args:
+      spec: the static modifiers.
+      refs: the modifier operand refs, in `ModifierSpec.select` order.
+      head: returns the query head's index; only called (traced) when some
+        modifier is on, so that the default kernels are unchanged.
+    """
+    refs = list(refs)
+    self.spec = spec
+    head = head() if refs else None
+    self.sink2 = None
+    if spec.has_sinks:
+      # Base 2, like the kernels' logits.
+      self.sink2 = plgpu.load(refs.pop(0).at[head]) * tiles.LOG2_E
+
+  def initial_row_stats(self, block_q: int):
+    """Online-softmax start (row max, row sum), or None without sinks.
+
+    With a sink the row starts as if it had seen one key of logit `sink`
+    that contributes no value: max = sink, sum = exp2(sink - max) = 1.
+    """
+    if self.sink2 is None:
+      return None
+    return (jnp.full((block_q,), self.sink2, jnp.float32),
+            jnp.ones((block_q,), jnp.float32))
