@@ -43,6 +43,7 @@ def flash_attention(
     causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
     return_residuals: bool = False,
     sinks: jax.typing.ArrayLike | None = None,
+    alibi_slopes: jax.typing.ArrayLike | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
 
@@ -77,6 +78,23 @@ def flash_attention(
   that sees no key then has a finite denominator: it outputs 0, its lse is
   sinks[n], and its sink takes a gradient from the lse only. Rows past
   query_seq_lengths stay empty (output 0, lse -inf, zero gradients).
+
+  ALiBi: with `alibi_slopes`, logit (t, s) of head n gets the bias
+  `-slopes[n] * |t + offset - s|`, computed in the kernels (no [T, S] array),
+  after the soft cap. The offset is the causal alignment's, the diagonal of
+  the causal mask and windows: 0 (top-left; always when is_causal=False) or
+  S - T (causal with causal_alignment="bottom_right", per batch element with
+  the lengths). For T = 2, S = 4, the bias / slope::
+
+      top_left        bottom_right
+      0 -1 -2 -3      -2 -1  0 -1
+     -1  0 -1 -2      -3 -2 -1  0
+
+  FlashAttention's `alibi_slopes` always use bottom-right positions; with
+  is_causal=True and causal_alignment="bottom_right" (or T == S) the two
+  agree. Under a causal mask the alignment only shifts each row's logits by
+  a constant (the bias is slope * (s - t - offset) on visible keys), which
+  changes the lse but not the output.
 
   Args:
     query: [B, T, N, H] or unbatched [T, N, H].
@@ -116,6 +134,10 @@ def flash_attention(
     sinks: float [N], one learnable logit per query head, in natural-log
       units and not multiplied by `scale` (see above); differentiable. A
       sink of -inf is no sink. Default None: no sinks.
+    alibi_slopes: float [N] or [B, N], non-negative ALiBi slopes in
+      natural-log units per position (see above). Not differentiable:
+      differentiating with respect to them raises NotImplementedError (pass
+      `jax.lax.stop_gradient(slopes)` for slopes held as parameters).
 
   Returns:
     Array of `query`'s shape and dtype; with return_residuals=True, the
@@ -131,6 +153,7 @@ def flash_attention(
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   _check_operands(query, key, value)
   sinks = _check_sinks(sinks, query.shape)
+  alibi_slopes = _check_alibi_slopes(alibi_slopes, query.shape)
   if bias is not None:
     raise NotImplementedError(
         "flash_attention: `bias` is not supported yet; pass bias=None.")
@@ -169,9 +192,10 @@ def flash_attention(
   kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
                            batch, kv_seq)
   use_kernels = _choose_implementation(implementation, interpret, block_sizes)
-  mods = modifiers.Operands(
-      sinks=None if sinks is None else jnp.broadcast_to(
-          sinks.astype(jnp.float32), (batch, num_heads)))
+  per_head = lambda x: None if x is None else jnp.broadcast_to(
+      x.astype(jnp.float32), (batch, num_heads))
+  mods = modifiers.Operands(sinks=per_head(sinks),
+                            slopes=per_head(alibi_slopes))
 
   lse = None
   if 0 in (batch, q_seq, kv_seq, num_heads):
@@ -197,7 +221,8 @@ def flash_attention(
                           has_lengths=has_lengths, bottom_right=bottom_right,
                           logits_soft_cap=logits_soft_cap, window=window,
                           modifiers=modifiers.ModifierSpec(
-                              has_sinks=sinks is not None))
+                              has_sinks=sinks is not None,
+                              has_alibi=alibi_slopes is not None))
     if return_residuals:
       out, lse = kernel_vjp.flash_attention_kernels_with_lse(
           query, key, value, q_lens, kv_lens, mods, config)
@@ -209,7 +234,8 @@ def flash_attention(
         query, key, value, q_lens, kv_lens, scale=scale,
         is_causal=bool(is_causal), bottom_right=bottom_right,
         logits_soft_cap=logits_soft_cap, window=window,
-        sinks=mods.sinks, return_lse=bool(return_residuals))
+        sinks=mods.sinks, alibi_slopes=mods.slopes,
+        return_lse=bool(return_residuals))
     out, lse = result if return_residuals else (result, None)
   if unbatched:
     out = out[0]
@@ -271,6 +297,40 @@ def _check_sinks(sinks, query_shape):
     raise ValueError(f"sinks must be a float array; got "
                      f"sinks.dtype={sinks.dtype}.")
   return sinks
+
+
+def _check_alibi_slopes(slopes, query_shape):
+  """Validates ALiBi slopes; returns them, not differentiable, or None."""
+  if slopes is None:
+    return None
+  slopes = jnp.asarray(slopes)
+  num_heads = query_shape[-2]
+  shapes = [(num_heads,)]
+  if len(query_shape) == 4:
+    shapes.append((query_shape[0], num_heads))
+  if slopes.shape not in shapes:
+    expected = " or ".join(str(x) for x in shapes)
+    raise ValueError(
+        f"alibi_slopes must have shape (num_heads,) or (batch, num_heads) = "
+        f"{expected}; got alibi_slopes.shape={slopes.shape} "
+        f"(query.shape={query_shape}).")
+  if not jnp.issubdtype(slopes.dtype, jnp.floating):
+    raise ValueError(f"alibi_slopes must be a float array; got "
+                     f"alibi_slopes.dtype={slopes.dtype}.")
+  return _not_differentiable(slopes)
+
+
+@jax.custom_jvp
+def _not_differentiable(slopes):
+  return slopes
+
+
+@_not_differentiable.defjvp
+def _not_differentiable_jvp(primals, tangents):
+  del primals, tangents
+  raise NotImplementedError(
+      "flash_attention: alibi_slopes are not differentiable; wrap them in "
+      "jax.lax.stop_gradient if they are parameters.")
 
 
 def _check_static_float(value, name: str) -> float:

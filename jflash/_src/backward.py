@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from jflash._src import masks
+from jflash._src import modifiers
 from jflash._src import tiles
 from jflash._src.forward import KernelConfig
 from jflash._src.forward import head_dim_padded
@@ -47,16 +48,21 @@ def delta_kernel(o_ref, do_ref, delta_ref, *, block_q: int, head_dim: int):
 
 
 def _probabilities(q, k, lse, *, scale, soft_cap, rows, k_start, block_k,
-                   mask, kv_len, offset, needs_mask):
+                   mask, kv_len, offset, needs_mask, head_mods):
   """Recomputes p = 2^(s2 - lse2) for one [block_q, block_k] tile.
 
   Returns (p, tanh) with tanh as in `tiles.logits_base2` (None without cap).
   """
+  columns = lambda: (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
   logits, capped = tiles.logits_base2(tiles.matmul(q, k, trans_b=True),
                                       scale=scale, soft_cap=soft_cap)
+  cols = None
+  if head_mods.spec.uses_positions:
+    cols = columns()
+    logits = head_mods.add_bias(logits, rows, cols, offset)
   probs = jnp.exp2(logits - lse[:, None])
   if needs_mask:
-    cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+    cols = columns() if cols is None else cols
     probs = jnp.where(masks.visible(mask, rows, cols, kv_len, offset), probs,
                       0.0)
   return probs, capped
@@ -72,12 +78,14 @@ def _score_gradient(probs, capped, dprobs, delta):
 
 def dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
-    dk_ref, dv_ref,
-    *, mask: masks.MaskSpec, scale: float, soft_cap: float | None,
+    *refs,  # Modifier operands (modifiers.py), then outputs dk_ref, dv_ref.
+    mask: masks.MaskSpec, scale: float, soft_cap: float | None,
     block_q: int, block_k: int, head_dim: int, group: int,
+    mods: modifiers.ModifierSpec = modifiers.ModifierSpec(),
 ):
   # q_ref, do_ref: [q_seq, group, head_dim_p]; lse_ref, delta_ref:
   # [group, q_seq]; k_ref, v_ref, dk_ref, dv_ref: [kv_seq, head_dim_p].
+  *mod_refs, dk_ref, dv_ref = refs
   k_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   # Lengths are always read from memory here, never static: see
@@ -95,7 +103,7 @@ def dkv_kernel(
   blocks = masks.query_blocks(mask, k_start, block_k, block_q, q_len, kv_len,
                               offset)
 
-  def step(q_tile_index, carry, *, head, needs_mask: bool):
+  def step(q_tile_index, carry, *, head, head_mods, needs_mask: bool):
     dk, dv = carry
     q_start = q_tile_index * block_q
     rows = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
@@ -111,17 +119,24 @@ def dkv_kernel(
     probs, capped = _probabilities(
         q, k, lse, scale=scale, soft_cap=soft_cap, rows=rows,
         k_start=k_start, block_k=block_k, mask=mask, kv_len=kv_len,
-        offset=offset, needs_mask=needs_mask)
+        offset=offset, needs_mask=needs_mask, head_mods=head_mods)
     dv = dv + tiles.matmul(probs.astype(do.dtype), do, trans_a=True)
     dprobs = tiles.matmul(do, v, trans_b=True)
     dlogits = _score_gradient(probs, capped, dprobs, delta)
     dk = dk + tiles.matmul(dlogits.astype(q.dtype), q, trans_a=True)
     return dk, dv
 
+  # The group's first query head, as in forward_call. (Read here: the
+  # interpreter resolves program ids only outside loops.)
+  first_head = pl.program_id(2) * group if mods.num_operands else None
+
   def head_step(head, carry):
+    head_mods = modifiers.HeadModifiers(mods, mod_refs,
+                                        head=lambda: first_head + head)
     for lo, hi, needs_mask in blocks.segments():
       carry = lax.fori_loop(
-          lo, hi, functools.partial(step, head=head, needs_mask=needs_mask),
+          lo, hi, functools.partial(step, head=head, head_mods=head_mods,
+                                    needs_mask=needs_mask),
           carry)
     return carry
 
@@ -134,10 +149,14 @@ def dkv_kernel(
 
 def dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
-    dq_ref,
-    *, mask: masks.MaskSpec, scale: float, soft_cap: float | None,
+    *refs,  # Modifier operands (modifiers.py), then the output dq_ref.
+    mask: masks.MaskSpec, scale: float, soft_cap: float | None,
     block_q: int, block_k: int, head_dim: int,
+    mods: modifiers.ModifierSpec = modifiers.ModifierSpec(),
 ):
+  *mod_refs, dq_ref = refs
+  head_mods = modifiers.HeadModifiers(mods, mod_refs,
+                                      head=lambda: pl.program_id(2))
   q_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
@@ -164,7 +183,7 @@ def dq_kernel(
     probs, capped = _probabilities(
         q, k, lse, scale=scale, soft_cap=soft_cap, rows=rows,
         k_start=k_start, block_k=block_k, mask=mask, kv_len=kv_len,
-        offset=offset, needs_mask=needs_mask)
+        offset=offset, needs_mask=needs_mask, head_mods=head_mods)
     dprobs = tiles.matmul(do, v, trans_b=True)
     dlogits = _score_gradient(probs, capped, dprobs, delta)
     return dq + tiles.matmul(dlogits.astype(k.dtype), k)
@@ -202,7 +221,7 @@ def delta_call(o, do, *, config: KernelConfig):
   )(o, do)
 
 
-def dkv_call(q, k, v, do, lse, delta, q_lens, kv_lens, *,
+def dkv_call(q, k, v, do, lse, delta, q_lens, kv_lens, *mod_operands,
              config: KernelConfig):
   """dK and dV, each [batch, kv_len, num_kv_heads, head_dim] in k.dtype."""
   batch, q_seq, num_heads, head_dim = q.shape
@@ -222,23 +241,25 @@ def dkv_call(q, k, v, do, lse, delta, q_lens, kv_lens, *,
   kernel = functools.partial(
       dkv_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
-      block_k=block_k, head_dim=head_dim, group=group)
+      block_k=block_k, head_dim=head_dim, group=group,
+      mods=config.modifiers.for_backward())
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(kv_seq, block_k), batch, num_kv_heads),
       in_specs=[q_group_spec, kv_spec, kv_spec, q_group_spec,
                 stats_group_spec, stats_group_spec, lengths_spec,
-                lengths_spec],
+                lengths_spec,
+                *config.modifiers.for_backward().operand_specs(num_heads)],
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_compiler_params(config),
       interpret=config.interpret,
       name="jflash_dkv",
-  )(q, k, v, do, lse, delta, q_lens, kv_lens)
+  )(q, k, v, do, lse, delta, q_lens, kv_lens, *mod_operands)
 
 
-def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *,
+def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *mod_operands,
             config: KernelConfig):
   """dQ, [batch, q_len, num_heads, head_dim] in q.dtype."""
   batch, q_seq, num_heads, head_dim = q.shape
@@ -256,15 +277,17 @@ def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *,
   kernel = functools.partial(
       dq_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
-      block_k=block_k, head_dim=head_dim)
+      block_k=block_k, head_dim=head_dim,
+      mods=config.modifiers.for_backward())
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(q_seq, block_q), batch, num_heads),
       in_specs=[q_spec, kv_spec, kv_spec, q_spec, stats_spec, stats_spec,
-                lengths_spec, lengths_spec],
+                lengths_spec, lengths_spec,
+                *config.modifiers.for_backward().operand_specs(num_heads)],
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=_compiler_params(config),
       interpret=config.interpret,
       name="jflash_dq",
-  )(q, k, v, do, lse, delta, q_lens, kv_lens)
+  )(q, k, v, do, lse, delta, q_lens, kv_lens, *mod_operands)

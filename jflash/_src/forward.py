@@ -94,8 +94,10 @@ def forward_kernel(
                         head_dim=head_dim)
     logits, _ = tiles.logits_base2(tiles.matmul(q, k, trans_b=True),
                                    scale=scale, soft_cap=soft_cap)
-    if needs_mask:
+    if needs_mask or mods.uses_positions:
       cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+      logits = head_mods.add_bias(logits, rows, cols, offset)
+    if needs_mask:
       seen = masks.visible(mask, rows, cols, kv_len, offset)
       logits = jnp.where(seen, logits, tiles.MASK_VALUE)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))

@@ -109,12 +109,15 @@ def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, mods,
     # d lse / d s_c = p_c, so lse's cotangent enters as a shift of delta:
     # dS = p * (dP - delta) + p * dlse = p * (dP - (delta - dlse)).
     delta = delta - dlse
+  mod_operands = config.modifiers.for_backward().select(mods)
   dk, dv = fold_vmap_into_batch(
       functools.partial(backward.dkv_call, config=config))(
-          q, k, v, dout, lse, delta, q_lens, kv_lens)
+          q, k, v, dout, lse, delta, q_lens, kv_lens, *mod_operands)
   dq = fold_vmap_into_batch(
       functools.partial(backward.dq_call, config=config))(
-          q, k, v, dout, lse, delta, q_lens, kv_lens)
+          q, k, v, dout, lse, delta, q_lens, kv_lens, *mod_operands)
+  # ALiBi slopes take no gradient (api.py makes differentiating them an
+  # error).
   dmods = modifiers.Operands(
       sinks=(None if mods.sinks is None
              else _sinks_gradient(mods.sinks, lse, delta)))

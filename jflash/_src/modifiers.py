@@ -7,6 +7,11 @@ Options that change the softmax but not which keys are visible:
   The forward starts each row's online softmax from it (row max = the sink,
   row sum = 1), so the stored lse includes it and the backward's recomputed
   probabilities need nothing more; only the forward reads the sinks.
+- ALiBi (`alibi_slopes`, one slope per (batch,) head): every logit gets the
+  bias -slope * |t + offset - s| (natural-log units), offset being the
+  causal alignment's (`masks.causal_offset`: 0 top-left, kv_len - q_len
+  bottom-right). Computed from positions in every kernel, forward and
+  backward; d(bias)/d(score) = 0, so the score gradient is unchanged.
 
 Each modifier is off by default and then adds no operand and no operation to
 any kernel (the default kernels' jaxprs are unchanged). Per-head operands
@@ -32,9 +37,11 @@ class Operands(NamedTuple):
 
   Attributes:
     sinks: float32 [batch, num_heads], natural-log sink logits.
+    slopes: float32 [batch, num_heads], ALiBi slopes.
   """
 
   sinks: jax.Array | None = None
+  slopes: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +50,11 @@ class ModifierSpec:
 
   Attributes:
     has_sinks: per-head attention sinks (forward kernel only).
+    has_alibi: ALiBi position bias (all kernels).
   """
 
   has_sinks: bool = False
+  has_alibi: bool = False
 
   def for_backward(self) -> ModifierSpec:
     """The modifiers the backward kernels see (sinks live in the lse)."""
@@ -53,11 +62,17 @@ class ModifierSpec:
 
   @property
   def num_operands(self) -> int:
-    return int(self.has_sinks)
+    return int(self.has_sinks) + int(self.has_alibi)
+
+  @property
+  def uses_positions(self) -> bool:
+    """Whether tiles need their column positions even where unmasked."""
+    return self.has_alibi
 
   def select(self, operands: Operands) -> list[jax.Array]:
     """The kernel operands of these modifiers, in kernel order."""
-    return [operands.sinks] if self.has_sinks else []
+    return [x for x, on in ((operands.sinks, self.has_sinks),
+                            (operands.slopes, self.has_alibi)) if on]
 
   def operand_specs(self, num_heads: int) -> list[pl.BlockSpec]:
     """BlockSpecs of the operands: each program gets its batch row.
@@ -87,10 +102,28 @@ class HeadModifiers:
     refs = list(refs)
     self.spec = spec
     head = head() if refs else None
-    self.sink2 = None
+    # Both in base 2, like the kernels' logits.
+    self.sink2 = self.slope2 = None
     if spec.has_sinks:
-      # Base 2, like the kernels' logits.
       self.sink2 = plgpu.load(refs.pop(0).at[head]) * tiles.LOG2_E
+    if spec.has_alibi:
+      self.slope2 = plgpu.load(refs.pop(0).at[head]) * tiles.LOG2_E
+
+  def add_bias(self, logits, rows, cols, offset):
+    """Base-2 logits of a tile plus the ALiBi bias (unchanged without).
+
+    Args:
+      logits: [block_q, block_k] base-2 logits.
+      rows: absolute query positions, [block_q, 1].
+      cols: absolute key positions, [1, block_k].
+      offset: `masks.causal_offset(...)`: row t's diagonal is t + offset.
+    """
+    if self.slope2 is None:
+      return logits
+    diagonal = rows if isinstance(offset, int) and offset == 0 else (
+        rows + offset)
+    distance = jnp.abs((diagonal - cols).astype(jnp.float32))
+    return logits - self.slope2 * distance
 
   def initial_row_stats(self, block_q: int):
     """Online-softmax start (row max, row sum), or None without sinks.

@@ -19,7 +19,8 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
                         is_causal: bool, bottom_right: bool = False,
                         logits_soft_cap: float | None = None,
                         window: tuple[int, int] | None = None,
-                        sinks=None, return_lse: bool = False):
+                        sinks=None, alibi_slopes=None,
+                        return_lse: bool = False):
   """Reference attention.
 
   Args:
@@ -38,6 +39,9 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     sinks: float32 [batch, num_heads] natural-log sink logits, or None: an
       extra exp(sink) term in the softmax denominator of every valid row
       (rows past q_len stay empty).
+    alibi_slopes: float32 [batch, num_heads] or None: logit (r, c) gets
+      -slope * |r + offset - c|, offset as for the causal mask, after the
+      soft cap.
     return_lse: also return the natural-log log-sum-exp of each row's
       visible logits, float32 [batch, q_len, num_heads] (-inf for rows
       with no visible key).
@@ -58,6 +62,11 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   cols = jnp.arange(kv_seq)[None, :]
   visible = cols[None] < kv_lens[:, None, None]
   offset = (kv_lens - q_lens)[:, None, None] if bottom_right else 0
+  if alibi_slopes is not None:
+    distance = jnp.abs(rows + offset - cols).astype(jnp.float32)
+    logits = logits - (alibi_slopes.reshape(batch, num_kv_heads, group, 1, 1)
+                       * jnp.broadcast_to(distance, (batch, q_seq, kv_seq))[
+                           :, None, None])
   if is_causal:
     visible = jnp.logical_and(visible, cols <= rows + offset)
   if window is not None:
