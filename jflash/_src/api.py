@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jflash._src import autotune
+from jflash._src import dropout
 from jflash._src import kernel_vjp
 from jflash._src import modifiers
 from jflash._src import platform
@@ -44,6 +45,9 @@ def flash_attention(
     return_residuals: bool = False,
     sinks: jax.typing.ArrayLike | None = None,
     alibi_slopes: jax.typing.ArrayLike | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    broadcast_dropout: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
 
@@ -96,6 +100,17 @@ def flash_attention(
   a constant (the bias is slope * (s - t - offset) on visible keys), which
   changes the lse but not the output.
 
+  Attention dropout: with `dropout_rate` r > 0, each normalized probability
+  p_ts is kept with probability 1 - r and scaled by 1 / (1 - r), dropped
+  (0) otherwise, before the product with V; the lse is not affected (as in
+  Flax's and jax's dropout on attention weights). The keep bits are a hash
+  of two uint32 seeds per (batch element, head), drawn from `dropout_rng`,
+  and of (t, s): the kernels never store the mask, the backward regenerates
+  it, and the "xla" implementation drops exactly the same entries. Same key,
+  same mask; under `vmap` each mapped key draws its own masks, as a loop
+  would. The masks differ from Flax's `jax.random.bernoulli` ones
+  (same distribution, other bits).
+
   Args:
     query: [B, T, N, H] or unbatched [T, N, H].
     key: [B, S, K, H] or [S, K, H]; N must be a multiple of K.
@@ -138,6 +153,12 @@ def flash_attention(
       natural-log units per position (see above). Not differentiable:
       differentiating with respect to them raises NotImplementedError (pass
       `jax.lax.stop_gradient(slopes)` for slopes held as parameters).
+    dropout_rate: a Python float in [0, 1); 0 (the default) is no dropout
+      and compiles the same kernels as before dropout existed.
+    dropout_rng: a `jax.random` key; required when dropout_rate > 0, ignored
+      otherwise.
+    broadcast_dropout: use one mask for every batch element and head
+      (Flax's `broadcast_dropout=True`); default False: independent masks.
 
   Returns:
     Array of `query`'s shape and dtype; with return_residuals=True, the
@@ -154,6 +175,7 @@ def flash_attention(
   _check_operands(query, key, value)
   sinks = _check_sinks(sinks, query.shape)
   alibi_slopes = _check_alibi_slopes(alibi_slopes, query.shape)
+  dropout_rate = _check_dropout(dropout_rate, dropout_rng, broadcast_dropout)
   if bias is not None:
     raise NotImplementedError(
         "flash_attention: `bias` is not supported yet; pass bias=None.")
@@ -194,8 +216,10 @@ def flash_attention(
   use_kernels = _choose_implementation(implementation, interpret, block_sizes)
   per_head = lambda x: None if x is None else jnp.broadcast_to(
       x.astype(jnp.float32), (batch, num_heads))
-  mods = modifiers.Operands(sinks=per_head(sinks),
-                            slopes=per_head(alibi_slopes))
+  mods = modifiers.Operands(
+      sinks=per_head(sinks), slopes=per_head(alibi_slopes),
+      seeds=dropout.seeds(dropout_rng, batch, num_heads,
+                          bool(broadcast_dropout)) if dropout_rate else None)
 
   lse = None
   if 0 in (batch, q_seq, kv_seq, num_heads):
@@ -222,7 +246,8 @@ def flash_attention(
                           logits_soft_cap=logits_soft_cap, window=window,
                           modifiers=modifiers.ModifierSpec(
                               has_sinks=sinks is not None,
-                              has_alibi=alibi_slopes is not None))
+                              has_alibi=alibi_slopes is not None,
+                              dropout_rate=dropout_rate))
     if return_residuals:
       out, lse = kernel_vjp.flash_attention_kernels_with_lse(
           query, key, value, q_lens, kv_lens, mods, config)
@@ -235,6 +260,7 @@ def flash_attention(
         is_causal=bool(is_causal), bottom_right=bottom_right,
         logits_soft_cap=logits_soft_cap, window=window,
         sinks=mods.sinks, alibi_slopes=mods.slopes,
+        dropout_rate=dropout_rate, dropout_seeds=mods.seeds,
         return_lse=bool(return_residuals))
     out, lse = result if return_residuals else (result, None)
   if unbatched:
@@ -318,6 +344,30 @@ def _check_alibi_slopes(slopes, query_shape):
     raise ValueError(f"alibi_slopes must be a float array; got "
                      f"alibi_slopes.dtype={slopes.dtype}.")
   return _not_differentiable(slopes)
+
+
+def _check_dropout(rate, rng, broadcast) -> float:
+  """Validates the dropout options; returns the rate as a float."""
+  rate = _check_static_float(rate, "dropout_rate")
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1); got {rate!r}.")
+  if not isinstance(broadcast, (bool, np.bool_)):
+    raise ValueError(
+        f"broadcast_dropout must be a bool, got {broadcast!r}.")
+  if rate == 0.0:
+    return rate
+  if rng is None:
+    raise ValueError(f"dropout_rng (a jax.random key) is required when "
+                     f"dropout_rate > 0; got {rate=} and dropout_rng=None.")
+  rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+  typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  if (typed and rng.shape != ()) or (not typed and (
+      rng.dtype != jnp.uint32 or rng.ndim != 1)):
+    raise ValueError(
+        f"dropout_rng must be one jax.random key (jax.random.key(...), or a "
+        f"raw uint32 jax.random.PRNGKey); got dropout_rng.shape={rng.shape}, "
+        f"dropout_rng.dtype={rng.dtype}.")
+  return rate
 
 
 @jax.custom_jvp

@@ -16,6 +16,13 @@ used, so gradients are bitwise deterministic.
 With p = softmax(scale * q.k) and dP = dO.V^T, the logit gradient is
 dS = p * (dP - delta), and dQ = scale * dS.K, dK = scale * dS^T.Q,
 dV = p^T.dO.
+
+Dropout (modifiers.py) multiplies p elementwise by Z = keep / (1 - rate)
+after the softmax: O = (p * Z).V. Then dV = (p * Z)^T.dO, the gradient
+reaching p is dP * Z, and the softmax's backward gives
+dS = p * (dP * Z - rowsum(p * dP * Z)), where rowsum(p * Z * dP)_t =
+sum_c (p * Z)_tc (dO_t . v_c) = dO_t . O_t = delta_t: delta is unchanged
+(O already holds the dropout), and only dV's probabilities and dP take Z.
 """
 
 from __future__ import annotations
@@ -66,6 +73,14 @@ def _probabilities(q, k, lse, *, scale, soft_cap, rows, k_start, block_k,
     probs = jnp.where(masks.visible(mask, rows, cols, kv_len, offset), probs,
                       0.0)
   return probs, capped
+
+
+def _dropout_scale(head_mods, rows, k_start, block_k):
+  """The tile's dropout factor Z = keep / (1 - rate), or None."""
+  if not head_mods.spec.has_dropout:
+    return None
+  cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+  return head_mods.dropout_scale(rows, cols)
 
 
 def _score_gradient(probs, capped, dprobs, delta):
@@ -120,8 +135,12 @@ def dkv_kernel(
         q, k, lse, scale=scale, soft_cap=soft_cap, rows=rows,
         k_start=k_start, block_k=block_k, mask=mask, kv_len=kv_len,
         offset=offset, needs_mask=needs_mask, head_mods=head_mods)
-    dv = dv + tiles.matmul(probs.astype(do.dtype), do, trans_a=True)
+    dropout_scale = _dropout_scale(head_mods, rows, k_start, block_k)
+    kept = probs if dropout_scale is None else probs * dropout_scale
+    dv = dv + tiles.matmul(kept.astype(do.dtype), do, trans_a=True)
     dprobs = tiles.matmul(do, v, trans_b=True)
+    if dropout_scale is not None:
+      dprobs = dprobs * dropout_scale
     dlogits = _score_gradient(probs, capped, dprobs, delta)
     dk = dk + tiles.matmul(dlogits.astype(q.dtype), q, trans_a=True)
     return dk, dv
@@ -185,6 +204,9 @@ def dq_kernel(
         k_start=k_start, block_k=block_k, mask=mask, kv_len=kv_len,
         offset=offset, needs_mask=needs_mask, head_mods=head_mods)
     dprobs = tiles.matmul(do, v, trans_b=True)
+    dropout_scale = _dropout_scale(head_mods, rows, k_start, block_k)
+    if dropout_scale is not None:
+      dprobs = dprobs * dropout_scale
     dlogits = _score_gradient(probs, capped, dprobs, delta)
     return dq + tiles.matmul(dlogits.astype(k.dtype), k)
 

@@ -108,6 +108,11 @@ def forward_kernel(
       probs = jnp.where(seen, probs, 0.0)
     correction = jnp.exp2(row_max - new_max)
     row_sum = row_sum * correction + jnp.sum(probs, axis=1)
+    if mods.has_dropout:
+      # Dropout acts on the normalized probabilities: the row sum (hence the
+      # lse) counts every probability, the output only the kept ones; the
+      # 1 / (1 - rate) comes with the final normalization.
+      probs = jnp.where(head_mods.dropout_keep(rows, cols), probs, 0.0)
     acc = acc * correction[:, None] + tiles.matmul(probs.astype(v.dtype), v)
     return acc, new_max, row_sum
 
@@ -124,6 +129,8 @@ def forward_kernel(
     carry = lax.fori_loop(
         lo, hi, functools.partial(step, needs_mask=needs_mask), carry)
   acc, row_max, row_sum = carry
+  if mods.has_dropout:
+    acc = acc * (1.0 / (1.0 - mods.dropout_rate))
 
   # A row has a visible key iff its sum is positive (masked probabilities are
   # exact zeros); rows past q_len are treated as having none.

@@ -12,6 +12,11 @@ Options that change the softmax but not which keys are visible:
   causal alignment's (`masks.causal_offset`: 0 top-left, kv_len - q_len
   bottom-right). Computed from positions in every kernel, forward and
   backward; d(bias)/d(score) = 0, so the score gradient is unchanged.
+- attention dropout (`dropout_rate`): each normalized probability is kept
+  with probability 1 - rate and scaled by 1 / (1 - rate), after the softmax
+  (the lse is unaffected). Keep bits come from `dropout.keep`, a hash of
+  the (batch, head)'s two uint32 seeds and the element's position, so the
+  forward and both backward kernels regenerate the same mask.
 
 Each modifier is off by default and then adds no operand and no operation to
 any kernel (the default kernels' jaxprs are unchanged). Per-head operands
@@ -29,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from jflash._src import dropout
 from jflash._src import tiles
 
 
@@ -38,10 +44,12 @@ class Operands(NamedTuple):
   Attributes:
     sinks: float32 [batch, num_heads], natural-log sink logits.
     slopes: float32 [batch, num_heads], ALiBi slopes.
+    seeds: uint32 [batch, num_heads, 2], dropout seeds (dropout.seeds).
   """
 
   sinks: jax.Array | None = None
   slopes: jax.Array | None = None
+  seeds: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,28 +59,47 @@ class ModifierSpec:
   Attributes:
     has_sinks: per-head attention sinks (forward kernel only).
     has_alibi: ALiBi position bias (all kernels).
+    dropout_rate: attention dropout rate in [0, 1) (all kernels); 0: none.
   """
 
   has_sinks: bool = False
   has_alibi: bool = False
+  dropout_rate: float = 0.0
 
   def for_backward(self) -> ModifierSpec:
     """The modifiers the backward kernels see (sinks live in the lse)."""
     return dataclasses.replace(self, has_sinks=False)
 
   @property
+  def has_dropout(self) -> bool:
+    return self.dropout_rate > 0.0
+
+  @property
   def num_operands(self) -> int:
-    return int(self.has_sinks) + int(self.has_alibi)
+    return len(self.select(Operands(*([None] * len(Operands._fields)))))
 
   @property
   def uses_positions(self) -> bool:
     """Whether tiles need their column positions even where unmasked."""
-    return self.has_alibi
+    return self.has_alibi or self.has_dropout
 
-  def select(self, operands: Operands) -> list[jax.Array]:
-    """The kernel operands of these modifiers, in kernel order."""
-    return [x for x, on in ((operands.sinks, self.has_sinks),
-                            (operands.slopes, self.has_alibi)) if on]
+  def select(self, operands: Operands) -> list[jax.Array | None]:
+    """The kernel operands of these modifiers, in kernel order.
+
+    All are [batch, num_heads]; the dropout seeds go as two uint32 arrays
+    (a scalar load with a constant index on a trailing axis does not
+    discharge in the interpreter).
+    """
+    result = []
+    if self.has_sinks:
+      result.append(operands.sinks)
+    if self.has_alibi:
+      result.append(operands.slopes)
+    if self.has_dropout:
+      seeds = operands.seeds
+      result += [None, None] if seeds is None else [seeds[..., 0],
+                                                    seeds[..., 1]]
+    return result
 
   def operand_specs(self, num_heads: int) -> list[pl.BlockSpec]:
     """BlockSpecs of the operands: each program gets its batch row.
@@ -103,11 +130,23 @@ class HeadModifiers:
     self.spec = spec
     head = head() if refs else None
     # Both in base 2, like the kernels' logits.
-    self.sink2 = self.slope2 = None
+    self.sink2 = self.slope2 = self.seeds = None
     if spec.has_sinks:
       self.sink2 = plgpu.load(refs.pop(0).at[head]) * tiles.LOG2_E
     if spec.has_alibi:
       self.slope2 = plgpu.load(refs.pop(0).at[head]) * tiles.LOG2_E
+    if spec.has_dropout:
+      self.seeds = (plgpu.load(refs.pop(0).at[head]),
+                    plgpu.load(refs.pop(0).at[head]))
+
+  def dropout_keep(self, rows, cols):
+    """bool [block_q, block_k]: the tile's dropout keep bits."""
+    return dropout.keep(*self.seeds, rows, cols, self.spec.dropout_rate)
+
+  def dropout_scale(self, rows, cols):
+    """The tile's Z = keep / (1 - rate), float32 (the backward's factor)."""
+    return jnp.where(self.dropout_keep(rows, cols),
+                     1.0 / (1.0 - self.spec.dropout_rate), 0.0)
 
   def add_bias(self, logits, rows, cols, offset):
     """Base-2 logits of a tile plus the ALiBi bias (unchanged without).

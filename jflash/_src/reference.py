@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jflash._src import dropout
 from jflash._src import tiles
 
 
@@ -20,6 +21,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
                         logits_soft_cap: float | None = None,
                         window: tuple[int, int] | None = None,
                         sinks=None, alibi_slopes=None,
+                        dropout_rate: float = 0.0, dropout_seeds=None,
                         return_lse: bool = False):
   """Reference attention.
 
@@ -42,6 +44,9 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     alibi_slopes: float32 [batch, num_heads] or None: logit (r, c) gets
       -slope * |r + offset - c|, offset as for the causal mask, after the
       soft cap.
+    dropout_rate: attention dropout rate; with it, dropout_seeds (uint32
+      [batch, num_heads, 2]) select the kept probabilities (dropout.py, the
+      kernels' very mask), which are scaled by 1 / (1 - rate).
     return_lse: also return the natural-log log-sum-exp of each row's
       visible logits, float32 [batch, q_len, num_heads] (-inf for rows
       with no visible key).
@@ -88,6 +93,10 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     row_sum = row_sum + jnp.where(valid_row, jnp.exp(sinks - row_max), 0.0)
   safe_sum = jnp.where(row_sum > 0.0, row_sum, 1.0)
   probs = probs / safe_sum
+  if dropout_rate:
+    keep = dropout.keep_mask(dropout_seeds, q_seq, kv_seq, dropout_rate)
+    keep = keep.reshape(batch, num_kv_heads, group, q_seq, kv_seq)
+    probs = jnp.where(keep, probs * (1.0 / (1.0 - dropout_rate)), 0.0)
   out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   out = out.reshape(batch, q_seq, num_heads, head_dim).astype(q.dtype)
