@@ -56,7 +56,10 @@ class ResidualsTest(parameterized.TestCase):
   def test_lse_matches_jax_nn_logsumexp(self):
     q, k, v, _ = test_util.random_inputs(62, q_len=20, kv_len=30)
     _, lse = self._flash(is_causal=True)(q, k, v)
-    logits = jnp.einsum("btnd,bsnd->btns", q, k) / np.sqrt(q.shape[-1])
+    # HIGHEST: on a GPU the default precision of a float32 einsum is TF32.
+    logits = jnp.einsum("btnd,bsnd->btns", q, k,
+                        precision=jax.lax.Precision.HIGHEST) / np.sqrt(
+                            q.shape[-1])
     causal = jnp.tril(jnp.ones((20, 30), bool))[None, :, None, :]
     expected = jax.nn.logsumexp(jnp.where(causal, logits, -jnp.inf), -1)
     chex.assert_trees_all_close(lse, expected, rtol=1e-5, atol=1e-5)

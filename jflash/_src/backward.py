@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from jflash._src import forward
 from jflash._src import masks
 from jflash._src import modifiers
 from jflash._src import tiles
@@ -170,14 +171,15 @@ def dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
     *refs,  # Modifier operands (modifiers.py), then the output dq_ref.
     mask: masks.MaskSpec, scale: float, soft_cap: float | None,
-    block_q: int, block_k: int, head_dim: int,
+    block_q: int, block_k: int, head_dim: int, q_tile_axis: int = 0,
     mods: modifiers.ModifierSpec = modifiers.ModifierSpec(),
 ):
   *mod_refs, dq_ref = refs
-  head_mods = modifiers.HeadModifiers(mods, mod_refs,
-                                      head=lambda: pl.program_id(2))
-  q_tile_index = pl.program_id(0)
+  head_mods = modifiers.HeadModifiers(
+      mods, mod_refs,
+      head=lambda: pl.program_id(forward.head_axis(q_tile_axis)))
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
+  q_tile_index = forward.query_tile_index(mask, q_tile_axis, q_seq, block_q)
   q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
                                      kv_seq)
   offset = masks.causal_offset(mask, q_len, kv_len)
@@ -290,23 +292,27 @@ def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *mod_operands,
   block_q = config.block_sizes.block_q_dq
   block_k = config.block_sizes.block_k_dq
   head_dim_p = head_dim_padded(head_dim)
+  grid, order, q_tile_axis = forward.query_tile_grid(
+      pl.cdiv(q_seq, block_q), batch, num_heads, config.is_causal)
   q_spec = pl.BlockSpec((None, q_seq, None, head_dim_p),
-                        lambda i, b, h: (b, 0, h, 0))
+                        order(lambda i, b, h: (b, 0, h, 0)))
   kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
-                         lambda i, b, h: (b, 0, h // group, 0))
-  stats_spec = pl.BlockSpec((None, None, q_seq), lambda i, b, h: (b, h, 0))
-  lengths_spec = pl.BlockSpec((batch,), lambda i, b, h: (0,))
+                         order(lambda i, b, h: (b, 0, h // group, 0)))
+  stats_spec = pl.BlockSpec((None, None, q_seq),
+                            order(lambda i, b, h: (b, h, 0)))
+  lengths_spec = pl.BlockSpec((batch,), order(lambda i, b, h: (0,)))
   kernel = functools.partial(
       dq_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
-      block_k=block_k, head_dim=head_dim,
+      block_k=block_k, head_dim=head_dim, q_tile_axis=q_tile_axis,
       mods=config.modifiers.for_backward())
   return pl.pallas_call(
       kernel,
-      grid=(pl.cdiv(q_seq, block_q), batch, num_heads),
+      grid=grid,
       in_specs=[q_spec, kv_spec, kv_spec, q_spec, stats_spec, stats_spec,
                 lengths_spec, lengths_spec,
-                *config.modifiers.for_backward().operand_specs(num_heads)],
+                *config.modifiers.for_backward().operand_specs(num_heads,
+                                                               order)],
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=_compiler_params(config),

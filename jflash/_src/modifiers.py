@@ -101,12 +101,14 @@ class ModifierSpec:
                                                     seeds[..., 1]]
     return result
 
-  def operand_specs(self, num_heads: int) -> list[pl.BlockSpec]:
+  def operand_specs(self, num_heads: int,
+                    order=lambda f: f) -> list[pl.BlockSpec]:
     """BlockSpecs of the operands: each program gets its batch row.
 
-    Every jflash grid has the batch on axis 1.
+    Every jflash grid has the batch on axis 1; `order` adapts an index map
+    written for (tile, batch, head) grids (`forward.query_tile_grid`).
     """
-    return [pl.BlockSpec((None, num_heads), lambda i, b, h: (b, 0))
+    return [pl.BlockSpec((None, num_heads), order(lambda i, b, h: (b, 0)))
             for _ in range(self.num_operands)]
 
 
