@@ -83,13 +83,13 @@ class DropoutTest(parameterized.TestCase):
           key_value_seq_lengths=jnp.array([0, 50]))),
       ("bfloat16_with_every_modifier", "bfloat16", dict(
           is_causal=True, causal_alignment="bottom_right",
-          logits_soft_cap=5.0, sinks=jnp.array([0.5, -1.0, 2.0, 0.0]),
-          alibi_slopes=jnp.array([0.5, 0.25, 0.125, 0.0625]))),
+          logits_soft_cap=5.0, sinks=jnp.array([0.5, -1.0]),
+          alibi_slopes=jnp.array([0.5, 0.125]))),
   )
   def test_gradients_match_the_xla_path_with_the_same_mask(self, dtype,
                                                            options):
     q, k, v, dout = test_util.random_inputs(102, q_len=40, kv_len=56,
-                                            num_heads=4, num_kv_heads=2,
+                                            num_heads=2, num_kv_heads=1,
                                             dtype=dtype)
     options = dict(options, dropout_rate=0.25,
                    dropout_rng=jax.random.key(103))
@@ -119,13 +119,14 @@ class DropoutTest(parameterized.TestCase):
 
   def test_vmap_over_keys_is_a_loop(self):
     q, k, v, _ = test_util.random_inputs(105, batch=1, q_len=24, kv_len=24)
-    keys = jax.random.split(jax.random.key(106), 3)
+    keys = jax.random.split(jax.random.key(106), 2)
     flash = lambda key: self._flash(dropout_rate=0.4, dropout_rng=key)(
         q, k, v)
     mapped = jax.jit(jax.vmap(flash))(keys)
-    for i in range(3):
-      chex.assert_trees_all_close(mapped[i], flash(keys[i]), rtol=1e-6,
-                                  atol=1e-6)
+    for i in range(2):
+      chex.assert_trees_all_close(mapped[i], jax.jit(flash)(keys[i]),
+                                  rtol=1e-6, atol=1e-6)
+    self.assertGreater(float(jnp.max(jnp.abs(mapped[0] - mapped[1]))), 0.1)
 
   def test_bad_options(self):
     q, k, v, _ = test_util.random_inputs(107, q_len=8, kv_len=8)

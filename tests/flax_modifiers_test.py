@@ -70,15 +70,16 @@ class AttentionFnTest(absltest.TestCase):
         num_heads=4, in_features=FEATURES, dropout_rate=0.2, decode=False,
         attention_fn=jflash.nnx.attention_fn(implementation="xla"),
         rngs=nnx.Rngs(0, dropout=1))
-    train, evaluate = (nnx_layer(x, deterministic=d) for d in (False, True))
+    train, evaluate = (nnx.jit(lambda m, d=d: m(x, deterministic=d))(
+        nnx_layer) for d in (False, True))
     self.assertGreater(float(jnp.max(jnp.abs(train - evaluate))), 1e-3)
     linen_layer = nn.MultiHeadDotProductAttention(
         num_heads=4, dropout_rate=0.2,
         attention_fn=jflash.linen.attention_fn(implementation="xla"))
     variables = linen_layer.init(jax.random.key(0), x, deterministic=True)
-    apply = lambda seed: linen_layer.apply(
+    apply = jax.jit(lambda seed: linen_layer.apply(
         variables, x, deterministic=False,
-        rngs={"dropout": jax.random.key(seed)})
+        rngs={"dropout": jax.random.key(seed)}))
     chex.assert_trees_all_equal(apply(1), apply(1))
     self.assertGreater(float(jnp.max(jnp.abs(apply(1) - apply(2)))), 1e-3)
 

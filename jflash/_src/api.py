@@ -96,9 +96,9 @@ def flash_attention(
 
   FlashAttention's `alibi_slopes` always use bottom-right positions; with
   is_causal=True and causal_alignment="bottom_right" (or T == S) the two
-  agree. Under a causal mask the alignment only shifts each row's logits by
-  a constant (the bias is slope * (s - t - offset) on visible keys), which
-  changes the lse but not the output.
+  agree. On the keys a causal row sees (s <= t + offset) the bias is
+  slope * (s - t - offset), a per-row constant plus slope * s: there the
+  offset moves the lse, not the output.
 
   Attention dropout: with `dropout_rate` r > 0, each normalized probability
   p_ts is kept with probability 1 - r and scaled by 1 / (1 - r), dropped
@@ -144,13 +144,13 @@ def flash_attention(
       attentions over key shards can be merged (ring attention):
       lse = logaddexp(lse_1, lse_2), out = sum_i out_i * exp(lse_i - lse).
       With `sinks`, the lse includes the sink term: log(exp(sinks[n]) +
-      sum_s exp(x_ts)) (merge shards computed without sinks, then add the
-      sink to the merged lse, not to every shard's).
+      sum_s exp(x_ts)); to merge key shards, compute them without sinks and
+      apply the sink once to the merged result.
     sinks: float [N], one learnable logit per query head, in natural-log
       units and not multiplied by `scale` (see above); differentiable. A
       sink of -inf is no sink. Default None: no sinks.
-    alibi_slopes: float [N] or [B, N], non-negative ALiBi slopes in
-      natural-log units per position (see above). Not differentiable:
+    alibi_slopes: float [N] or [B, N], ALiBi slopes, in natural-log units
+      per position of distance (see above). Not differentiable:
       differentiating with respect to them raises NotImplementedError (pass
       `jax.lax.stop_gradient(slopes)` for slopes held as parameters).
     dropout_rate: a Python float in [0, 1); 0 (the default) is no dropout
