@@ -78,6 +78,21 @@ class BlockSizesTest(parameterized.TestCase):
         block_q_dq=64, block_k_dq=64, num_warps=8, num_stages=3,
         num_warps_bwd=4, num_stages_bwd=2))
 
+  @parameterized.parameters((512, 64), (512, 128), (1024, 128))
+  def test_short_sequences_get_smaller_forward_tiles(self, seq_len, head_dim):
+    sizes = jflash.default_block_sizes(
+        q_len=seq_len, kv_len=seq_len, head_dim=head_dim, dtype="bfloat16",
+        is_causal=False, device_kind="NVIDIA H200")
+    long = jflash.default_block_sizes(
+        q_len=8192, kv_len=8192, head_dim=head_dim, dtype="bfloat16",
+        is_causal=False, device_kind="NVIDIA H200")
+    short = seq_len <= 512
+    self.assertEqual((sizes.block_q, sizes.block_k, sizes.num_warps),
+                     (64, 64, 4) if short else
+                     (long.block_q, long.block_k, long.num_warps))
+    # The backward tiles do not depend on the length (above the tile size).
+    self.assertEqual(sizes.block_q_dkv, long.block_q_dkv)
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -158,6 +158,16 @@ _BACKWARD_PREFERENCES = {
 }
 
 
+# Short sequences (both lengths <= this) in 16-bit with D <= 128: few
+# programs per head, so smaller forward tiles fill the GPU better. H200, bf16,
+# 32 x 512 x 16 heads: 64x64 w4 s3 gives 287 / 156 TFLOP/s (non-causal /
+# causal) at D=128 against 240 / 136 for 128x128 w8 s3, and 250 / 138 against
+# 194 / 95 at D=64; at N=1024 128x128 is as good or better
+# (WORKSPACE_NOTES.md, 2026-11-22).
+_SHORT_SEQUENCE = 512
+_SHORT_FORWARD = (64, 64, 4, 3)
+
+
 def _preferences(table, itemsize: int, head_dim: int):
   size = 2 if itemsize <= 2 else 4
   bucket = next(d for d in (64, 128, 256) if head_dim <= d)
@@ -178,8 +188,9 @@ def default_block_sizes(
   """Chooses tile sizes for one problem shape (the one heuristic).
 
   Picks, per kernel, the first entry of a preference list keyed on dtype
-  size and head dimension whose shared-memory estimate fits the device
-  family's limit, then shrinks tiles to the sequence lengths.
+  size and head dimension (and, for the forward, short sequences) whose
+  shared-memory estimate fits the device family's limit, then shrinks tiles
+  to the sequence lengths.
 
   Args:
     q_len: query sequence length.
@@ -197,6 +208,9 @@ def default_block_sizes(
   itemsize = jnp.dtype(dtype).itemsize
   limit = shared_memory_limit(device_kind)
   forward = _preferences(_FORWARD_PREFERENCES, itemsize, head_dim)
+  if (itemsize == 2 and head_dim <= 128
+      and max(q_len, kv_len) <= _SHORT_SEQUENCE):
+    forward = (_SHORT_FORWARD, *forward)
   block_q, block_k, num_warps, num_stages = next(
       (c for c in forward if forward_shared_memory(
           c[0], c[1], c[3], head_dim=head_dim, itemsize=itemsize) <= limit),
