@@ -139,9 +139,6 @@ class LinenTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "attention_fn"):
       self._ours(num_heads=4, attention_fn=jax.nn.dot_product_attention
                  ).init(jax.random.key(0), x)
-    dropout = self._ours(num_heads=4, dropout_rate=0.1)
-    with self.assertRaisesRegex(NotImplementedError, "dropout"):
-      dropout.apply(variables, x, deterministic=False)
 
 
 if __name__ == "__main__":

@@ -225,12 +225,6 @@ class NnxTest(parameterized.TestCase):
       jflash.nnx.FlashMultiHeadAttention(
           num_heads=4, in_features=FEATURES, attention_fn=lambda *a: a,
           rngs=nnx.Rngs(0))
-    dropout = jflash.nnx.FlashMultiHeadAttention(
-        num_heads=4, in_features=FEATURES, dropout_rate=0.1, decode=False,
-        interpret=self.INTERPRET, rngs=nnx.Rngs(0))
-    with self.assertRaisesRegex(NotImplementedError, "dropout"):
-      dropout(x, deterministic=False)
-    chex.assert_shape(dropout(x, deterministic=True), x.shape)
 
   def test_stock_module_with_attention_fn_does_not_drop_the_mask(self):
     plugged = nnx.MultiHeadAttention(

@@ -45,6 +45,12 @@ def value_and_grads(fn, q, k, v, dout):
   return (out, *vjp(dout.astype(out.dtype)))
 
 
+def value_and_all_grads(fn, dout, *args):
+  """(out, d arg for each arg) of fn through jax.vjp with the cotangent dout."""
+  out, vjp = jax.vjp(fn, *args)
+  return (out, *vjp(dout.astype(out.dtype)))
+
+
 def jax_nn(q, k, v, dout, *, upcast: bool, **kwargs):
   """jax.nn.dot_product_attention results; upcast=True: fp32 at HIGHEST."""
   fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kwargs)
@@ -96,12 +102,31 @@ def assert_close_to_reference(test, results, q, k, v, dout, **kwargs):
   _assert_within_table(test, results, reference, low, q.dtype)
 
 
+def assert_close_to_function(test, results, fn, args, dout, names):
+  """As assert_close_to_jax_nn, against any pure-JAX function of `args`.
+
+  Args:
+    test: the test case.
+    results: (out, gradient for each of args) from jflash.
+    fn: the reference function of `args`.
+    args: its inputs; the first is the query (its dtype sets the floor).
+    dout: the output cotangent.
+    names: a name for each result, for failure messages.
+  """
+  step = jax.jit(value_and_all_grads, static_argnums=0)
+  upcast = lambda x: (x.astype(jnp.float32)
+                      if jnp.issubdtype(x.dtype, jnp.floating) else x)
+  with jax.default_matmul_precision("highest"):
+    reference = step(fn, upcast(dout), *(upcast(x) for x in args))
+  low = step(fn, dout, *args)
+  _assert_within_table(test, results, reference, low, args[0].dtype, names)
+
+
 def _assert_within_table(test, results, reference, low, dtype,
                          names=("out", "dq", "dk", "dv")):
   """results, reference and low: same-length tuples, named by `names`."""
   dtype = jnp.dtype(dtype)
-  test.assertLen(results, len(names))
-  for name, ours, lo, ref in zip(names, results, low, reference):
+  for name, ours, lo, ref in zip(names, results, low, reference, strict=True):
     chex.assert_shape(ours, ref.shape)
     test.assertEqual(ours.dtype, lo.dtype, msg=name)
     chex.assert_tree_all_finite(ours)

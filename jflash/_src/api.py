@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jflash._src import autotune
+from jflash._src import dropout
 from jflash._src import kernel_vjp
+from jflash._src import modifiers
 from jflash._src import platform
 from jflash._src import reference
 from jflash._src.block_sizes import BlockSizes
@@ -43,6 +45,11 @@ def flash_attention(
     return_residuals: bool = False,
     q_segment_ids: jax.typing.ArrayLike | None = None,
     kv_segment_ids: jax.typing.ArrayLike | None = None,
+    sinks: jax.typing.ArrayLike | None = None,
+    alibi_slopes: jax.typing.ArrayLike | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    broadcast_dropout: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
 
@@ -83,6 +90,42 @@ def flash_attention(
   no key) output exactly 0 and pass zero gradients. jax.nn also zeroes rows
   past query_seq_lengths, but gives other rows without a visible key the
   mean of all values; jflash gives 0.
+
+  Attention sinks (gpt-oss): with `sinks`, row t of head n computes
+  `out_t = sum_s exp(x_ts) v_s / (exp(sinks[n]) + sum_s exp(x_ts))` over its
+  visible keys s (x = the scaled, capped logits): a softmax over the logits
+  and one extra logit that has no value vector. A row t < query_seq_lengths
+  that sees no key then has a finite denominator: it outputs 0, its lse is
+  sinks[n], and its sink takes a gradient from the lse only. Rows past
+  query_seq_lengths stay empty (output 0, lse -inf, zero gradients).
+
+  ALiBi: with `alibi_slopes`, logit (t, s) of head n gets the bias
+  `-slopes[n] * |t + offset - s|`, computed in the kernels (no [T, S] array),
+  after the soft cap. The offset is the causal alignment's, the diagonal of
+  the causal mask and windows: 0 (top-left; always when is_causal=False) or
+  S - T (causal with causal_alignment="bottom_right", per batch element with
+  the lengths). For T = 2, S = 4, the bias / slope::
+
+      top_left        bottom_right
+      0 -1 -2 -3      -2 -1  0 -1
+     -1  0 -1 -2      -3 -2 -1  0
+
+  FlashAttention's `alibi_slopes` always use bottom-right positions; with
+  is_causal=True and causal_alignment="bottom_right" (or T == S) the two
+  agree. On the keys a causal row sees (s <= t + offset) the bias is
+  slope * (s - t - offset), a per-row constant plus slope * s: there the
+  offset moves the lse, not the output.
+
+  Attention dropout: with `dropout_rate` r > 0, each normalized probability
+  p_ts is kept with probability 1 - r and scaled by 1 / (1 - r), dropped
+  (0) otherwise, before the product with V; the lse is not affected (as in
+  Flax's and jax's dropout on attention weights). The keep bits are a hash
+  of two uint32 seeds per (batch element, head), drawn from `dropout_rng`,
+  and of (t, s): the kernels never store the mask, the backward regenerates
+  it, and the "xla" implementation drops exactly the same entries. Same key,
+  same mask; under `vmap` each mapped key draws its own masks, as a loop
+  would. The masks differ from Flax's `jax.random.bernoulli` ones
+  (same distribution, other bits).
 
   Args:
     query: [B, T, N, H] or unbatched [T, N, H].
@@ -130,6 +173,22 @@ def flash_attention(
       int32). Must be given together with `kv_segment_ids`.
     kv_segment_ids: integer [B, S] ([S] for unbatched inputs), the segment
       of each key/value.
+      With `sinks`, the lse includes the sink term: log(exp(sinks[n]) +
+      sum_s exp(x_ts)); to merge key shards, compute them without sinks and
+      apply the sink once to the merged result.
+    sinks: float [N], one learnable logit per query head, in natural-log
+      units and not multiplied by `scale` (see above); differentiable. A
+      sink of -inf is no sink. Default None: no sinks.
+    alibi_slopes: float [N] or [B, N], ALiBi slopes, in natural-log units
+      per position of distance (see above). Not differentiable:
+      differentiating with respect to them raises NotImplementedError (pass
+      `jax.lax.stop_gradient(slopes)` for slopes held as parameters).
+    dropout_rate: a Python float in [0, 1); 0 (the default) is no dropout
+      and compiles the same kernels as before dropout existed.
+    dropout_rng: a `jax.random` key; required when dropout_rate > 0, ignored
+      otherwise.
+    broadcast_dropout: use one mask for every batch element and head
+      (Flax's `broadcast_dropout=True`); default False: independent masks.
 
   Returns:
     Array of `query`'s shape and dtype; with return_residuals=True, the
@@ -146,6 +205,15 @@ def flash_attention(
   _check_operands(query, key, value)
   bias = _check_dense(bias, "bias", query, key)
   mask = _check_dense(mask, "mask", query, key)
+  sinks = _check_sinks(sinks, query.shape)
+  alibi_slopes = _check_alibi_slopes(alibi_slopes, query.shape)
+  dropout_rate = _check_dropout(dropout_rate, dropout_rng, broadcast_dropout)
+  if bias is not None and (alibi_slopes is not None or dropout_rate > 0.0):
+    # The dbias kernel recomputes p without the per-head modifiers.
+    raise NotImplementedError(
+        "flash_attention: `bias` together with `alibi_slopes` or "
+        "`dropout_rate` > 0 is not supported yet (fold ALiBi into the bias "
+        "instead).")
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"is_causal must be a bool, got {is_causal!r}.")
   if not isinstance(interpret, (bool, np.bool_)):
@@ -179,12 +247,21 @@ def flash_attention(
   kv_lens = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths",
                            batch, kv_seq)
   use_kernels = _choose_implementation(implementation, interpret, block_sizes)
+  per_head = lambda x: None if x is None else jnp.broadcast_to(
+      x.astype(jnp.float32), (batch, num_heads))
+  mods = modifiers.Operands(
+      sinks=per_head(sinks), slopes=per_head(alibi_slopes),
+      seeds=dropout.seeds(dropout_rng, batch, num_heads,
+                          bool(broadcast_dropout)) if dropout_rate else None)
 
   lse = None
   if 0 in (batch, q_seq, kv_seq, num_heads):
     # Nothing to attend to (or nothing asked): every row is empty.
     out = jnp.zeros(query.shape, query.dtype)
     lse = jnp.full((batch, q_seq, num_heads), -jnp.inf, jnp.float32)
+    if sinks is not None:  # Rows before q_len: the sink alone.
+      valid = jnp.arange(q_seq)[None, :, None] < q_lens[:, None, None]
+      lse = jnp.where(valid, mods.sinks[:, None, :], lse)
   elif use_kernels:
     if block_sizes is None:
       shape = dict(q_len=q_seq, kv_len=kv_seq, head_dim=head_dim,
@@ -202,13 +279,17 @@ def flash_attention(
                           logits_soft_cap=logits_soft_cap, window=window,
                           has_segments=bool(segment_ids),
                           has_bias=bias is not None,
-                          has_dense_mask=mask is not None)
+                          has_dense_mask=mask is not None,
+                          modifiers=modifiers.ModifierSpec(
+                              has_sinks=sinks is not None,
+                              has_alibi=alibi_slopes is not None,
+                              dropout_rate=dropout_rate))
     # Masks travel as int8 (the kernels compare bytes).
     dense_mask = None if mask is None else mask.astype(jnp.int8)
     kernels = (kernel_vjp.flash_attention_kernels_with_lse
                if return_residuals else kernel_vjp.flash_attention_kernels)
     result = kernels(query, key, value, q_lens, kv_lens, segment_ids, bias,
-                     dense_mask, config)
+                     dense_mask, mods, config)
     out, lse = result if return_residuals else (result, None)
   else:
     result = reference.attention_reference(
@@ -216,6 +297,8 @@ def flash_attention(
         is_causal=bool(is_causal), bottom_right=bottom_right,
         logits_soft_cap=logits_soft_cap, window=window,
         segment_ids=segment_ids or None, bias=bias, mask=mask,
+        sinks=mods.sinks, alibi_slopes=mods.slopes,
+        dropout_rate=dropout_rate, dropout_seeds=mods.seeds,
         return_lse=bool(return_residuals))
     out, lse = result if return_residuals else (result, None)
   if unbatched:
@@ -261,6 +344,81 @@ def _check_operands(query, key, value):
         f"{head_dim=} ({shapes}).")
   if head_dim == 0:
     raise ValueError(f"head_dim must be positive; got {shapes}.")
+
+
+def _check_sinks(sinks, query_shape):
+  """Validates sinks: a float [num_heads] array, or None."""
+  if sinks is None:
+    return None
+  sinks = jnp.asarray(sinks)
+  num_heads = query_shape[-2]
+  if sinks.shape != (num_heads,):
+    raise ValueError(
+        f"sinks must have shape (num_heads,) = ({num_heads},), one logit per "
+        f"query head; got sinks.shape={sinks.shape} (query.shape="
+        f"{query_shape}).")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"sinks must be a float array; got "
+                     f"sinks.dtype={sinks.dtype}.")
+  return sinks
+
+
+def _check_alibi_slopes(slopes, query_shape):
+  """Validates ALiBi slopes; returns them, not differentiable, or None."""
+  if slopes is None:
+    return None
+  slopes = jnp.asarray(slopes)
+  num_heads = query_shape[-2]
+  shapes = [(num_heads,)]
+  if len(query_shape) == 4:
+    shapes.append((query_shape[0], num_heads))
+  if slopes.shape not in shapes:
+    expected = " or ".join(str(x) for x in shapes)
+    raise ValueError(
+        f"alibi_slopes must have shape (num_heads,) or (batch, num_heads) = "
+        f"{expected}; got alibi_slopes.shape={slopes.shape} "
+        f"(query.shape={query_shape}).")
+  if not jnp.issubdtype(slopes.dtype, jnp.floating):
+    raise ValueError(f"alibi_slopes must be a float array; got "
+                     f"alibi_slopes.dtype={slopes.dtype}.")
+  return _not_differentiable(slopes)
+
+
+def _check_dropout(rate, rng, broadcast) -> float:
+  """Validates the dropout options; returns the rate as a float."""
+  rate = _check_static_float(rate, "dropout_rate")
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1); got {rate!r}.")
+  if not isinstance(broadcast, (bool, np.bool_)):
+    raise ValueError(
+        f"broadcast_dropout must be a bool, got {broadcast!r}.")
+  if rate == 0.0:
+    return rate
+  if rng is None:
+    raise ValueError(f"dropout_rng (a jax.random key) is required when "
+                     f"dropout_rate > 0; got {rate=} and dropout_rng=None.")
+  rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+  typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  if (typed and rng.shape != ()) or (not typed and (
+      rng.dtype != jnp.uint32 or rng.ndim != 1)):
+    raise ValueError(
+        f"dropout_rng must be one jax.random key (jax.random.key(...), or a "
+        f"raw uint32 jax.random.PRNGKey); got dropout_rng.shape={rng.shape}, "
+        f"dropout_rng.dtype={rng.dtype}.")
+  return rate
+
+
+@jax.custom_jvp
+def _not_differentiable(slopes):
+  return slopes
+
+
+@_not_differentiable.defjvp
+def _not_differentiable_jvp(primals, tangents):
+  del primals, tangents
+  raise NotImplementedError(
+      "flash_attention: alibi_slopes are not differentiable; wrap them in "
+      "jax.lax.stop_gradient if they are parameters.")
 
 
 def _check_static_float(value, name: str) -> float:

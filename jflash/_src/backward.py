@@ -28,6 +28,15 @@ With p = softmax(scale * q.k + bias) and dP = dO.V^T, the logit gradient is
 dS = p * (dP - delta), and dQ = scale * dS.K, dK = scale * dS^T.Q,
 dV = p^T.dO, dbias = dS (times tanh' for q.k, not for the bias, when the
 logits are soft-capped).
+
+Dropout (modifiers.py) multiplies p elementwise by Z = keep / (1 - rate)
+after the softmax: O = (p * Z).V. Then dV = (p * Z)^T.dO, the gradient
+reaching p is dP * Z, and the softmax's backward gives
+dS = p * (dP * Z - rowsum(p * dP * Z)), where rowsum(p * Z * dP)_t =
+sum_c (p * Z)_tc (dO_t . v_c) = dO_t . O_t = delta_t: delta is unchanged
+(O already holds the dropout), and only dV's probabilities and dP take Z.
+ALiBi adds a position-only bias to the logits (no effect on dS); sinks live
+in the forward's lse, so the backward kernels never read them.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import jax.numpy as jnp
 from jflash._src import dense
 from jflash._src import forward
 from jflash._src import masks
+from jflash._src import modifiers
 from jflash._src import tiles
 from jflash._src.forward import KernelConfig
 from jflash._src.forward import head_dim_padded
@@ -63,11 +73,12 @@ def delta_kernel(o_ref, do_ref, delta_ref, *, block_q: int, head_dim: int):
 
 def _probabilities(q, k, lse, *, scale, soft_cap, rows, k_start, block_k,
                    mask, kv_len, offset, needs_mask, q_ids=None, kv_ids=None,
-                   bias=None, tile_mask=None):
+                   bias=None, tile_mask=None, head_mods=None):
   """Recomputes p = 2^(s2 - lse2) for one [block_q, block_k] tile.
 
   q_ids, kv_ids, tile_mask: the tile's segment ids and dense-mask tile, as
-  in `masks.visible`; bias: its fp32 bias tile (natural units), or None.
+  in `masks.visible`; bias: its fp32 bias tile (natural units), or None;
+  head_mods: the head's `modifiers.HeadModifiers` (ALiBi), or None.
 
   Returns (p, tanh) with tanh as in `tiles.logits_base2` (None without cap).
   """
@@ -75,13 +86,26 @@ def _probabilities(q, k, lse, *, scale, soft_cap, rows, k_start, block_k,
                                       scale=scale, soft_cap=soft_cap)
   if bias is not None:
     logits = logits + bias * tiles.LOG2_E
+  cols = None
+  if head_mods is not None and head_mods.spec.uses_positions:
+    cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+    logits = head_mods.add_bias(logits, rows, cols, offset)
   probs = jnp.exp2(logits - lse[:, None])
   if needs_mask:
-    cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+    if cols is None:
+      cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
     seen = masks.visible(mask, rows, cols, kv_len, offset, q_ids=q_ids,
                          kv_ids=kv_ids, dense=tile_mask)
     probs = jnp.where(seen, probs, 0.0)
   return probs, capped
+
+
+def _dropout_scale(head_mods, rows, k_start, block_k):
+  """The tile's dropout factor Z = keep / (1 - rate), or None."""
+  if head_mods is None or not head_mods.spec.has_dropout:
+    return None
+  cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+  return head_mods.dropout_scale(rows, cols)
 
 
 def _logit_gradient(probs, dprobs, delta):
@@ -99,15 +123,17 @@ def _score_gradient(probs, capped, dprobs, delta):
 
 def dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
-    *refs,  # Optional inputs (see masks.split_refs), then dK, dV.
+    *refs,  # Optional mask inputs (masks.split_refs), modifier operands
+            # (modifiers.py), then dK, dV.
     mask: masks.MaskSpec, scale: float, soft_cap: float | None,
     block_q: int, block_k: int, head_dim: int, group: int, has_bias: bool,
+    mods: modifiers.ModifierSpec = modifiers.ModifierSpec(),
 ):
   # q_ref, do_ref: [q_seq, group, head_dim_p]; lse_ref, delta_ref:
   # [group, q_seq]; k_ref, v_ref, dk_ref, dv_ref: [kv_seq, head_dim_p];
   # bias and mask: [group, q_seq, kv_seq] per head, else [q_seq, kv_seq].
-  segments, bias_ref, mask_ref, (dk_ref, dv_ref) = masks.split_refs(
-      mask, has_bias, refs)
+  segments, bias_ref, mask_ref, refs = masks.split_refs(mask, has_bias, refs)
+  *mod_refs, dk_ref, dv_ref = refs
   k_tile_index = pl.program_id(0)
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   # Lengths are always read from memory here, never static: see
@@ -128,7 +154,7 @@ def dkv_kernel(
   if segments is not None:
     kv_ids = masks.load_ids(segments.kv_ids, k_start, block_k)[None, :]
 
-  def step(q_tile_index, carry, *, head, needs_mask: bool):
+  def step(q_tile_index, carry, *, head, head_mods, needs_mask: bool):
     dk, dv = carry
     q_start = q_tile_index * block_q
     rows = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
@@ -155,17 +181,28 @@ def dkv_kernel(
         q, k, lse, scale=scale, soft_cap=soft_cap, rows=rows,
         k_start=k_start, block_k=block_k, mask=mask, kv_len=kv_len,
         offset=offset, needs_mask=needs_mask, q_ids=q_ids, kv_ids=kv_ids,
-        bias=bias, tile_mask=tile_mask)
-    dv = dv + tiles.matmul(probs.astype(do.dtype), do, trans_a=True)
+        bias=bias, tile_mask=tile_mask, head_mods=head_mods)
+    dropout_scale = _dropout_scale(head_mods, rows, k_start, block_k)
+    kept = probs if dropout_scale is None else probs * dropout_scale
+    dv = dv + tiles.matmul(kept.astype(do.dtype), do, trans_a=True)
     dprobs = tiles.matmul(do, v, trans_b=True)
+    if dropout_scale is not None:
+      dprobs = dprobs * dropout_scale
     dlogits = _score_gradient(probs, capped, dprobs, delta)
     dk = dk + tiles.matmul(dlogits.astype(q.dtype), q, trans_a=True)
     return dk, dv
 
+  # The group's first query head, as in forward_call. (Read here: the
+  # interpreter resolves program ids only outside loops.)
+  first_head = pl.program_id(2) * group if mods.num_operands else None
+
   def head_step(head, carry):
+    head_mods = modifiers.HeadModifiers(mods, mod_refs,
+                                        head=lambda: first_head + head)
     for lo, hi, needs_mask in blocks.segments():
       carry = lax.fori_loop(
-          lo, hi, functools.partial(step, head=head, needs_mask=needs_mask),
+          lo, hi, functools.partial(step, head=head, head_mods=head_mods,
+                                    needs_mask=needs_mask),
           carry)
     return carry
 
@@ -178,13 +215,18 @@ def dkv_kernel(
 
 def dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
-    *refs,  # Optional inputs (see masks.split_refs), then dQ.
+    *refs,  # Optional mask inputs (masks.split_refs), modifier operands
+            # (modifiers.py), then dQ.
     mask: masks.MaskSpec, scale: float, soft_cap: float | None,
     block_q: int, block_k: int, head_dim: int, has_bias: bool,
     q_tile_axis: int = 0,
+    mods: modifiers.ModifierSpec = modifiers.ModifierSpec(),
 ):
-  segments, bias_ref, mask_ref, (dq_ref,) = masks.split_refs(
-      mask, has_bias, refs)
+  segments, bias_ref, mask_ref, refs = masks.split_refs(mask, has_bias, refs)
+  *mod_refs, dq_ref = refs
+  head_mods = modifiers.HeadModifiers(
+      mods, mod_refs,
+      head=lambda: pl.program_id(forward.head_axis(q_tile_axis)))
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   q_tile_index = forward.query_tile_index(mask, q_tile_axis, q_seq, block_q)
   q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
@@ -224,8 +266,11 @@ def dq_kernel(
         q, k, lse, scale=scale, soft_cap=soft_cap, rows=rows,
         k_start=k_start, block_k=block_k, mask=mask, kv_len=kv_len,
         offset=offset, needs_mask=needs_mask, q_ids=q_ids, kv_ids=kv_ids,
-        bias=bias, tile_mask=tile_mask)
+        bias=bias, tile_mask=tile_mask, head_mods=head_mods)
     dprobs = tiles.matmul(do, v, trans_b=True)
+    dropout_scale = _dropout_scale(head_mods, rows, k_start, block_k)
+    if dropout_scale is not None:
+      dprobs = dprobs * dropout_scale
     dlogits = _score_gradient(probs, capped, dprobs, delta)
     return dq + tiles.matmul(dlogits.astype(k.dtype), k)
 
@@ -268,7 +313,9 @@ def dkv_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
 
   extras: the optional operands, as in `forward.forward_call`.
   """
-  q_ids, kv_ids, bias, dense_mask = split_extras(config, extras)
+  mods = config.modifiers.for_backward()
+  q_ids, kv_ids, bias, dense_mask, mod_operands = split_extras(
+      config, extras, mods)
   batch, q_seq, num_heads, head_dim = q.shape
   kv_seq, num_kv_heads = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
@@ -287,7 +334,7 @@ def dkv_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
       dkv_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
       block_k=block_k, head_dim=head_dim, group=group,
-      has_bias=config.has_bias)
+      has_bias=config.has_bias, mods=mods)
   num_k_tiles = pl.cdiv(kv_seq, block_k)
   inputs = [q, k, v, do, lse, delta, q_lens, kv_lens]
   in_specs = [q_group_spec, kv_spec, kv_spec, q_group_spec, stats_group_spec,
@@ -301,6 +348,8 @@ def dkv_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
     if operand is not None:
       inputs.append(operand)
       in_specs.append(dense.block_spec(operand, batch, group=group))
+  inputs += mod_operands
+  in_specs += mods.operand_specs(num_heads)
   return pl.pallas_call(
       kernel,
       grid=(num_k_tiles, batch, num_kv_heads),
@@ -317,7 +366,9 @@ def dkv_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
 def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
             config: KernelConfig):
   """dQ, [batch, q_len, num_heads, head_dim] in q.dtype; extras as dkv_call."""
-  q_ids, kv_ids, bias, dense_mask = split_extras(config, extras)
+  mods = config.modifiers.for_backward()
+  q_ids, kv_ids, bias, dense_mask, mod_operands = split_extras(
+      config, extras, mods)
   batch, q_seq, num_heads, head_dim = q.shape
   kv_seq, num_kv_heads = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
@@ -337,7 +388,7 @@ def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
       dq_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
       block_k=block_k, head_dim=head_dim, has_bias=config.has_bias,
-      q_tile_axis=q_tile_axis)
+      q_tile_axis=q_tile_axis, mods=mods)
   num_q_tiles = pl.cdiv(q_seq, block_q)
   inputs = [q, k, v, do, lse, delta, q_lens, kv_lens]
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, stats_spec, stats_spec,
@@ -350,6 +401,8 @@ def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
     if operand is not None:
       inputs.append(operand)
       in_specs.append(dense.block_spec(operand, batch, order=order))
+  inputs += mod_operands
+  in_specs += mods.operand_specs(num_heads, order)
   return pl.pallas_call(
       kernel,
       grid=grid,
@@ -440,7 +493,10 @@ def dbias_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
   """dL/d(bias) in the bias's shape and dtype; extras as dkv_call."""
   batch, q_seq, num_heads, head_dim = q.shape
   kv_seq, num_kv_heads = k.shape[1], k.shape[2]
-  q_ids, kv_ids, bias, dense_mask = split_extras(config, extras)
+  # Only the mask operands: calls with a bias take no ALiBi or dropout
+  # (api.py), and sinks live in the lse.
+  q_ids, kv_ids, bias, dense_mask, _ = split_extras(
+      config, extras, modifiers.ModifierSpec())
   block_q = config.block_sizes.block_q_dq
   block_k = config.block_sizes.block_k_dq
   head_dim_p = head_dim_padded(head_dim)

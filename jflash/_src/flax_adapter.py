@@ -80,11 +80,12 @@ def _flatten_batch(x, num_batch_dims: int):
 
 def flax_attention(
     query, key, value, *, mask=None, bias=None, is_causal=False,
-    dropout_rate=0.0, deterministic=True, module=None, dtype=None,
+    dropout_rate=0.0, deterministic=True, dropout_rng=None,
+    broadcast_dropout=True, module=None, dtype=None,
     query_seq_lengths=None, key_value_seq_lengths=None,
     implementation=None, block_sizes=None, interpret=False,
     logits_soft_cap=None, local_window_size=None, causal_alignment="top_left",
-    q_segment_ids=None, kv_segment_ids=None,
+    q_segment_ids=None, kv_segment_ids=None, sinks=None,
 ):
   """jflash attention for Flax layouts: [batch..., seq, heads, head_dim].
 
@@ -92,6 +93,9 @@ def flax_attention(
   given, have shape [batch...], the segment ids [batch..., q_len] and
   [batch..., kv_len]. Raises NotImplementedError for what the kernels cannot
   do (yet), never silently ignores an option that changes the result.
+  Dropout is active when dropout_rate > 0 and not deterministic, as in Flax;
+  broadcast_dropout=True (Flax's default) shares one mask across the batch
+  dimensions and heads, as Flax's does.
   """
   if module is not None:
     raise NotImplementedError(
@@ -106,11 +110,13 @@ def flax_attention(
         "is_causal=True for causal masks, and query_seq_lengths / "
         "key_value_seq_lengths (jflash's Flax modules take them as call "
         "arguments) for padding masks.")
+  dropout = {}
   if dropout_rate > 0.0 and not deterministic:
-    raise NotImplementedError(
-        f"jflash attention does not support attention dropout yet "
-        f"(dropout_rate={dropout_rate}, deterministic={deterministic}); use "
-        "dropout_rate=0.0 or deterministic=True.")
+    if dropout_rng is None:
+      raise ValueError("dropout_rng is required when dropout_rate > 0 and "
+                       "deterministic=False.")
+    dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                   broadcast_dropout=bool(broadcast_dropout))
   if dtype is not None:
     query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
   else:
@@ -150,7 +156,8 @@ def flax_attention(
       is_causal=is_causal, implementation=implementation,
       block_sizes=block_sizes, interpret=interpret,
       logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
-      causal_alignment=causal_alignment, **per_batch)
+      causal_alignment=causal_alignment, sinks=sinks, **dropout,
+      **per_batch)
   return out.reshape(query.shape)
 
 
@@ -182,8 +189,12 @@ def make_attention_fn(
     A function with Flax's `dot_product_attention` signature. `precision` is
     accepted and ignored (the kernels use fp32 IEEE dots for float32 inputs
     and fp32 accumulation otherwise); `force_fp32_for_softmax` is always true
-    in jflash. `mask`, `bias`, active dropout, sowing weights (`module`) and
-    custom einsums raise NotImplementedError.
+    in jflash. Dropout follows Flax: active when dropout_rate > 0 and not
+    deterministic, from `dropout_rng`, with `broadcast_dropout` (True by
+    default in Flax's modules: one mask shared by all batch elements and
+    heads) respected; the masks are jflash's own hash (same distribution as
+    Flax's `bernoulli`, other bits). `mask`, `bias`, sowing weights
+    (`module`) and custom einsums raise NotImplementedError.
   """
 
   def attention_fn(
@@ -204,15 +215,17 @@ def make_attention_fn(
       qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
       attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
   ) -> jax.Array:
-    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
+    del precision, force_fp32_for_softmax
     if (qk_attn_weights_einsum is not None
         or attn_weights_value_einsum is not None):
       raise NotImplementedError(
           "jflash attention cannot use custom attention-weight einsums.")
     return flax_attention(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal,
-        dropout_rate=dropout_rate, deterministic=deterministic, module=module,
-        dtype=dtype, implementation=implementation, block_sizes=block_sizes,
+        dropout_rate=dropout_rate, deterministic=deterministic,
+        dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+        module=module, dtype=dtype, implementation=implementation,
+        block_sizes=block_sizes,
         interpret=interpret, logits_soft_cap=logits_soft_cap,
         local_window_size=local_window_size)
 

@@ -13,14 +13,17 @@ of the scaled logits: lse2 = log2(sum_c 2^(scale * log2(e) * q.k_c)). It is
 the only statistic the backward needs (p = 2^(s2 - lse2)). A row that sees no
 key at all (past q_len, kv_len == 0, outside every window, or with no key
 of its segment) gets O = 0 and lse2 = +inf, which makes every probability the
-backward recomputes for it exactly 0.
+backward recomputes for it exactly 0. With attention sinks (modifiers.py) the
+lse includes the sink term, and a row before q_len that sees no key gets O = 0
+and lse2 = its sink.
 
 Masks (causal, window, lengths, segments, dense mask) come from `masks.py`:
 the key tiles a query tile visits and the element-wise predicate inside the
 cut ones. With segment ids, a query tile visits only the key tiles its
 segments can meet (a per-tile range computed on the host) and masks all of
 them. A dense `bias` (see dense.py) is added to the logits after the soft
-cap: logit = cap(scale * q.k) + bias, in natural units, then masked.
+cap: logit = cap(scale * q.k) + bias, in natural units, then masked. ALiBi,
+sinks and dropout are the per-head modifiers of modifiers.py.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 
 from jflash._src import dense
 from jflash._src import masks
+from jflash._src import modifiers
 from jflash._src import tiles
 from jflash._src.block_sizes import BlockSizes
 
@@ -55,6 +59,7 @@ class KernelConfig:
   has_segments: bool = False
   has_bias: bool = False
   has_dense_mask: bool = False
+  modifiers: modifiers.ModifierSpec = modifiers.ModifierSpec()
 
   @property
   def mask(self) -> masks.MaskSpec:
@@ -65,20 +70,24 @@ class KernelConfig:
                           has_dense_mask=self.has_dense_mask)
 
 
-def split_extras(config: KernelConfig, extras):
-  """(q_ids, kv_ids, bias, dense_mask) from the optional operands.
+def split_extras(config: KernelConfig, extras, modifiers_spec=None):
+  """(q_ids, kv_ids, bias, dense_mask, modifier operands) from the optional
+  operands.
 
   The kernels' host wrappers take them positionally after the lengths, each
-  only when the config says it is present, in this order; absent ones come
-  back as None.
+  only when the config says it is present, in this order, and then the
+  operands of `modifiers_spec` (default: `config.modifiers`); absent ones
+  come back as None.
   """
+  modifiers_spec = modifiers_spec or config.modifiers
   extras = list(extras)
   take = lambda present: extras.pop(0) if present else None
   q_ids, kv_ids = take(config.has_segments), take(config.has_segments)
   bias, dense_mask = take(config.has_bias), take(config.has_dense_mask)
-  if extras:
-    raise ValueError(f"{len(extras)} unexpected kernel operands.")
-  return q_ids, kv_ids, bias, dense_mask
+  if len(extras) != modifiers_spec.num_operands:
+    raise ValueError(f"{len(extras)} modifier operands, expected "
+                     f"{modifiers_spec.num_operands}.")
+  return q_ids, kv_ids, bias, dense_mask, extras
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -88,13 +97,17 @@ def head_dim_padded(head_dim: int) -> int:
 # FlashAttention-2 (Dao, 2023), Algorithm 1, one query tile per program.
 def forward_kernel(
     q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,  # Inputs.
-    *refs,  # Optional inputs (see masks.split_refs), then the outputs.
+    *refs,  # Optional mask inputs (masks.split_refs), modifier operands
+            # (modifiers.py), then the outputs o_ref, lse_ref.
     mask: masks.MaskSpec, scale: float, soft_cap: float | None,
     block_q: int, block_k: int, head_dim: int, has_bias: bool,
     q_tile_axis: int = 0,
+    mods: modifiers.ModifierSpec = modifiers.ModifierSpec(),
 ):
-  segments, bias_ref, mask_ref, (o_ref, lse_ref) = masks.split_refs(
-      mask, has_bias, refs)
+  segments, bias_ref, mask_ref, refs = masks.split_refs(mask, has_bias, refs)
+  *mod_refs, o_ref, lse_ref = refs
+  head_mods = modifiers.HeadModifiers(
+      mods, mod_refs, head=lambda: pl.program_id(head_axis(q_tile_axis)))
   q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
   q_tile_index = query_tile_index(mask, q_tile_axis, q_seq, block_q)
   q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
@@ -125,8 +138,10 @@ def forward_kernel(
     if bias_ref is not None:
       logits = logits + dense.load_bias(
           bias_ref, q_start, block_q, k_start, block_k) * tiles.LOG2_E
-    if needs_mask:
+    if needs_mask or mods.uses_positions:
       cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+      logits = head_mods.add_bias(logits, rows, cols, offset)
+    if needs_mask:
       kv_ids = tile_mask = None
       if segments is not None:
         kv_ids = masks.load_ids(segments.kv_ids, k_start, block_k)[None, :]
@@ -144,6 +159,11 @@ def forward_kernel(
       probs = jnp.where(seen, probs, 0.0)
     correction = jnp.exp2(row_max - new_max)
     row_sum = row_sum * correction + jnp.sum(probs, axis=1)
+    if mods.has_dropout:
+      # Dropout acts on the normalized probabilities: the row sum (hence the
+      # lse) counts every probability, the output only the kept ones; the
+      # 1 / (1 - rate) comes with the final normalization.
+      probs = jnp.where(head_mods.dropout_keep(rows, cols), probs, 0.0)
     acc = acc * correction[:, None] + tiles.matmul(probs.astype(v.dtype), v)
     return acc, new_max, row_sum
 
@@ -151,13 +171,17 @@ def forward_kernel(
                             offset, segments)
   carry = (
       jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
-      jnp.full((block_q,), tiles.MASK_VALUE, jnp.float32),
-      jnp.zeros((block_q,), jnp.float32),
+      # Row max and row sum: nothing seen yet, or a sink (modifiers.py).
+      *(head_mods.initial_row_stats(block_q) or (
+          jnp.full((block_q,), tiles.MASK_VALUE, jnp.float32),
+          jnp.zeros((block_q,), jnp.float32))),
   )
   for lo, hi, needs_mask in blocks.segments():
     carry = lax.fori_loop(
         lo, hi, functools.partial(step, needs_mask=needs_mask), carry)
   acc, row_max, row_sum = carry
+  if mods.has_dropout:
+    acc = acc * (1.0 / (1.0 - mods.dropout_rate))
 
   # A row has a visible key iff its sum is positive (masked probabilities are
   # exact zeros); rows past q_len are treated as having none.
@@ -203,6 +227,11 @@ def query_tile_index(mask: masks.MaskSpec, q_tile_axis: int, q_seq: int,
   return index
 
 
+def head_axis(q_tile_axis: int) -> int:
+  """The head's grid axis in `query_tile_grid`'s grids: 2, or 0."""
+  return 2 - q_tile_axis
+
+
 def forward_call(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
   """Launches the forward kernel.
 
@@ -215,7 +244,8 @@ def forward_call(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
     *extras: the optional operands present in `config`, in this order:
       q_ids int32 [batch, q_len] and kv_ids int32 [batch, kv_len] (segment
       ids), bias [bias_batch, 1 or num_heads, q_len, kv_len], dense mask
-      int8 of the same form (see dense.py).
+      int8 of the same form (see dense.py), then the operands of
+      `config.modifiers` in its order (modifiers.py).
     config: static kernel configuration.
 
   Returns:
@@ -229,7 +259,7 @@ def forward_call(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
   block_k = config.block_sizes.block_k
   head_dim_p = head_dim_padded(head_dim)
 
-  q_ids, kv_ids, bias, dense_mask = split_extras(config, extras)
+  q_ids, kv_ids, bias, dense_mask, mod_operands = split_extras(config, extras)
   num_q_tiles = pl.cdiv(q_seq, block_q)
   grid, order, q_tile_axis = query_tile_grid(
       num_q_tiles, batch, num_heads, config.is_causal)
@@ -237,7 +267,7 @@ def forward_call(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
       forward_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
       block_k=block_k, head_dim=head_dim, has_bias=config.has_bias,
-      q_tile_axis=q_tile_axis)
+      q_tile_axis=q_tile_axis, mods=config.modifiers)
   q_spec = pl.BlockSpec((None, q_seq, None, head_dim_p),
                         order(lambda i, b, h: (b, 0, h, 0)))
   kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
@@ -255,6 +285,8 @@ def forward_call(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
     if operand is not None:
       inputs.append(operand)
       in_specs.append(dense.block_spec(operand, batch, order=order))
+  inputs += mod_operands
+  in_specs += config.modifiers.operand_specs(num_heads, order)
   return pl.pallas_call(
       kernel,
       grid=grid,

@@ -4,8 +4,8 @@ Two entry points share the rules: `flash_attention_kernels` (the output) and
 `flash_attention_kernels_with_lse` (output and natural-log lse, both
 differentiable). Residuals saved by the forward rule: q, k, v, the output O
 and the base-2 log-sum-exp (float32 [batch, num_heads, q_len]), plus the
-integer lengths and segment ids and the caller's own bias and mask; nothing
-of size seq x seq is created.
+integer lengths and segment ids, the caller's own bias and mask, and the
+modifiers' operands (modifiers.py); nothing of size seq x seq is created.
 
 Transforms:
 - `vmap`: each kernel launch is wrapped with `fold_vmap_into_batch`, which
@@ -29,6 +29,8 @@ import jax.numpy as jnp
 
 from jflash._src import backward
 from jflash._src import forward
+from jflash._src import modifiers
+from jflash._src import tiles
 from jflash._src.forward import KernelConfig
 
 
@@ -93,15 +95,31 @@ def _extras(segment_ids, bias, dense_mask):
   return (*segment_ids, *(x for x in (bias, dense_mask) if x is not None))
 
 
-def _forward(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
+def _forward(q, k, v, q_lens, kv_lens, mods: modifiers.Operands, *extras,
+             config: KernelConfig):
   call = functools.partial(forward.forward_call, config=config)
   return fold_vmap_into_batch(call, _vmappable(config))(
-      q, k, v, q_lens, kv_lens, *extras)
+      q, k, v, q_lens, kv_lens, *extras, *config.modifiers.select(mods))
 
 
-def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, dout,
-              dlse=None, extras=()):
-  """(dq, dk, dv, dbias); dbias is None without a bias."""
+def _sinks_gradient(sinks, lse2, delta):
+  """d loss / d sinks, float32 [batch, num_heads].
+
+  The sink enters row t only through its normalizer: with
+  p_sink = exp(sink - lse), d lse / d sink = p_sink and d p_c / d sink =
+  -p_c p_sink, so d out_t / d sink = -p_sink out_t and the row contributes
+  p_sink * (dlse_t - dO_t . O_t) = -p_sink * delta_t (delta already shifted
+  by dlse). Rows with lse2 = +-inf (padding rows, or a -inf sink and no key)
+  contribute 0.
+  """
+  p_sink = jnp.where(jnp.isinf(lse2), 0.0,
+                     jnp.exp2(sinks[..., None] * tiles.LOG2_E - lse2))
+  return -jnp.sum(p_sink * delta, axis=-1)
+
+
+def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, mods,
+              dout, dlse=None, extras=()):
+  """(dq, dk, dv, dbias, dmods); dbias is None without a bias."""
   fold = functools.partial(fold_vmap_into_batch,
                            vmappable=_vmappable(config))
   delta = fold(
@@ -110,17 +128,23 @@ def _backward(config: KernelConfig, q, k, v, out, lse, q_lens, kv_lens, dout,
     # d lse / d s_c = p_c, so lse's cotangent enters as a shift of delta:
     # dS = p * (dP - delta) + p * dlse = p * (dP - (delta - dlse)).
     delta = delta - dlse
+  mod_operands = config.modifiers.for_backward().select(mods)
   dk, dv = fold(
       functools.partial(backward.dkv_call, config=config))(
-          q, k, v, dout, lse, delta, q_lens, kv_lens, *extras)
+          q, k, v, dout, lse, delta, q_lens, kv_lens, *extras, *mod_operands)
   dq = fold(
       functools.partial(backward.dq_call, config=config))(
-          q, k, v, dout, lse, delta, q_lens, kv_lens, *extras)
+          q, k, v, dout, lse, delta, q_lens, kv_lens, *extras, *mod_operands)
   dbias = None
   if config.has_bias:
     dbias = fold(functools.partial(backward.dbias_call, config=config))(
         q, k, v, dout, lse, delta, q_lens, kv_lens, *extras)
-  return dq, dk, dv, dbias
+  # ALiBi slopes take no gradient (api.py makes differentiating them an
+  # error).
+  dmods = modifiers.Operands(
+      sinks=(None if mods.sinks is None
+             else _sinks_gradient(mods.sinks, lse, delta)))
+  return dq, dk, dv, dbias, dmods
 
 
 def natural_lse(lse2):
@@ -139,12 +163,13 @@ def _make_kernels_vjp(with_lse: bool):
   Its `segment_ids` argument is () without segments, else the pair
   (q_ids, kv_ids) of int32 [batch, q_len] and [batch, kv_len] arrays; `bias`
   and `dense_mask` (int8) are None or [bias_batch, 1 or num_heads, q_len,
-  kv_len] (see dense.py). The bias is differentiable.
+  kv_len] (see dense.py). The bias is differentiable. `mods` holds the
+  modifiers' arrays (`modifiers.Operands`); the sinks are differentiable.
   """
 
-  def kernels(q, k, v, q_lens, kv_lens, segment_ids, bias, dense_mask,
+  def kernels(q, k, v, q_lens, kv_lens, segment_ids, bias, dense_mask, mods,
               config: KernelConfig):
-    out, lse2 = _forward(q, k, v, q_lens, kv_lens,
+    out, lse2 = _forward(q, k, v, q_lens, kv_lens, mods,
                          *_extras(segment_ids, bias, dense_mask),
                          config=config)
     return (out, natural_lse(lse2)) if with_lse else out
@@ -152,21 +177,21 @@ def _make_kernels_vjp(with_lse: bool):
   kernels.__name__ = kernels.__qualname__ = (
       "flash_attention_kernels_with_lse" if with_lse
       else "flash_attention_kernels")
-  kernels = jax.custom_vjp(kernels, nondiff_argnums=(8,))
+  kernels = jax.custom_vjp(kernels, nondiff_argnums=(9,))
 
-  def fwd_rule(q, k, v, q_lens, kv_lens, segment_ids, bias, dense_mask,
+  def fwd_rule(q, k, v, q_lens, kv_lens, segment_ids, bias, dense_mask, mods,
                config: KernelConfig):
     # Differentiating the forward rule happens only for higher-order
     # derivatives: make that a clear error rather than a Pallas internal one.
     forward_fn = _no_higher_order(
         functools.partial(_forward, config=config), "the forward pass")
     extras = _extras(segment_ids, bias, dense_mask)
-    out, lse2 = forward_fn(q, k, v, q_lens, kv_lens, *extras)
+    out, lse2 = forward_fn(q, k, v, q_lens, kv_lens, mods, *extras)
     primal = (out, natural_lse(lse2)) if with_lse else out
-    return primal, (q, k, v, out, lse2, q_lens, kv_lens, extras)
+    return primal, (q, k, v, out, lse2, q_lens, kv_lens, mods, extras)
 
   def bwd_rule(config: KernelConfig, residuals, cotangent):
-    q, k, v, out, lse2, q_lens, kv_lens, extras = residuals
+    q, k, v, out, lse2, q_lens, kv_lens, mods, extras = residuals
     dlse = None
     if with_lse:
       dout, dlse = cotangent
@@ -176,10 +201,10 @@ def _make_kernels_vjp(with_lse: bool):
       dout = cotangent
     backward_fn = _no_higher_order(
         functools.partial(_backward, config), "the backward pass")
-    dq, dk, dv, dbias = backward_fn(q, k, v, out, lse2, q_lens, kv_lens,
-                                    dout, dlse, extras)
+    dq, dk, dv, dbias, dmods = backward_fn(
+        q, k, v, out, lse2, q_lens, kv_lens, mods, dout, dlse, extras)
     # Lengths, segment ids and the mask are integers: no cotangent.
-    return dq, dk, dv, None, None, None, dbias, None
+    return dq, dk, dv, None, None, None, dbias, None, dmods
 
   kernels.defvjp(fwd_rule, bwd_rule)
   return kernels

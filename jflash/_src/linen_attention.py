@@ -19,13 +19,18 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   Same fields and the same parameter tree (`query`, `key`, `value`, `out`,
   and `query_ln` / `key_ln` with `normalize_qk`) as the stock module, so
   variables move between the two unchanged; plus jflash's `implementation`,
-  `block_sizes`, `interpret`, `logits_soft_cap` and `local_window_size`.
+  `block_sizes`, `interpret`, `logits_soft_cap` and `local_window_size`, and
+  `use_sinks` (a learnable `sinks` parameter, one attention-sink logit per
+  head, zeros at init; see `jflash.flash_attention`). Attention dropout
+  works as in the stock module (`dropout_rate`, `broadcast_dropout`,
+  `deterministic`, the `dropout` rng or `dropout_rng`), with jflash's
+  in-kernel masks (same distribution, other bits than Flax's).
 
   Differences from the stock module:
   - `__call__` also takes `is_causal`, `query_seq_lengths` /
     `key_value_seq_lengths` (integer [batch...]) and `q_segment_ids` /
-    `kv_segment_ids` (packed sequences); a dense `mask`,
-    `sow_weights=True` and active dropout raise NotImplementedError.
+    `kv_segment_ids` (packed sequences); a dense `mask` and
+    `sow_weights=True` raise NotImplementedError.
   - With `decode=True` the cache keeps one position per batch element
     (`cache_index` has shape [batch...]); each step of element b writes at
     `cache_index[b]` and attends to its first `cache_index[b] + 1` positions.
@@ -38,6 +43,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   interpret: bool = False
   logits_soft_cap: float | None = None
   local_window_size: int | tuple[int, int] | None = None
+  use_sinks: bool = False
 
   @nn.compact
   def __call__(
@@ -65,8 +71,8 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       inputs_v: [batch..., kv_len, features]; default inputs_k.
       inputs_kv: deprecated in Flax; sets both inputs_k and inputs_v.
       mask: not supported yet (NotImplementedError).
-      deterministic: disables dropout; must be True when dropout_rate > 0.
-      dropout_rng: unused (no dropout).
+      deterministic: disables dropout; required when dropout_rate > 0.
+      dropout_rng: the dropout key; default: `self.make_rng('dropout')`.
       sow_weights: must be False.
       is_causal: top-left causal mask (ignored in decode steps).
       query_seq_lengths: integer [batch...]: rows past it output 0.
@@ -79,7 +85,6 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     Returns:
       [batch..., q_len, out_features or features].
     """
-    del dropout_rng
     if self.attention_fn is not nn.dot_product_attention:
       raise ValueError(
           "FlashMultiHeadDotProductAttention always uses jflash attention; "
@@ -152,11 +157,19 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     if self.dropout_rate > 0.0:
       deterministic = merge_param("deterministic", self.deterministic,
                                   deterministic)
+      if not deterministic and dropout_rng is None:
+        dropout_rng = self.make_rng("dropout")
     else:
       deterministic = True
+    sinks = None
+    if self.use_sinks:
+      sinks = self.param("sinks", nn.initializers.zeros_init(),
+                         (self.num_heads,), self.param_dtype)
     x = flax_adapter.flax_attention(
         query, key, value, mask=mask, **masking,
         dropout_rate=self.dropout_rate, deterministic=deterministic,
+        dropout_rng=dropout_rng, broadcast_dropout=self.broadcast_dropout,
+        sinks=sinks,
         dtype=self.dtype, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,

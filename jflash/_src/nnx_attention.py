@@ -22,14 +22,20 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
   unchanged; plus jflash's `implementation`, `block_sizes`, `interpret`,
   `logits_soft_cap` and `local_window_size` (see `jflash.flash_attention`).
   In decode steps the window applies to the cached positions: the new token
-  at position p sees [p - left, p].
+  at position p sees [p - left, p]. `use_sinks=True` adds a learnable
+  `sinks` parameter, one attention-sink logit per head (zeros at init; see
+  `jflash.flash_attention`'s `sinks`).
+
+  Attention dropout works as in the stock module (`dropout_rate`,
+  `broadcast_dropout`, `deterministic`, the `dropout` rng stream), with
+  jflash's in-kernel masks (same distribution, other bits than Flax's).
 
   Differences from the stock module:
   - `__call__` also takes `query_seq_lengths` / `key_value_seq_lengths`
     (integer [batch...]) for padding, the kernels' native form of a padding
     mask, and `q_segment_ids` / `kv_segment_ids` for packed sequences. A
-    dense `mask`, `sow_weights=True`, active attention dropout and
-    `input_positions` raise NotImplementedError.
+    dense `mask`, `sow_weights=True` and `input_positions` raise
+    NotImplementedError.
   - The decode cache keeps one position per batch element: `cache_index` has
     shape [batch...] (the stock module keeps one scalar). Each decode step
     writes the new key/value of element b at `cache_index[b]` and attends to
@@ -52,6 +58,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       interpret: bool = False,
       logits_soft_cap: float | None = None,
       local_window_size: int | tuple[int, int] | None = None,
+      use_sinks: bool = False,
       **kwargs: Any,
   ):
     if "attention_fn" in kwargs:
@@ -73,6 +80,8 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     self.interpret = interpret
     self.logits_soft_cap = logits_soft_cap
     self.local_window_size = local_window_size
+    self.sinks = (nnx.Param(jnp.zeros((num_heads,), self.param_dtype))
+                  if use_sinks else None)
 
   def __call__(
       self,
@@ -103,8 +112,10 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       mask: not supported yet (NotImplementedError); use is_causal and the
         lengths.
       deterministic: disables dropout; required (here or in the constructor)
-        when dropout_rate > 0, and must then be True.
-      rngs: unused (no dropout); accepted for signature parity.
+        when dropout_rate > 0.
+      rngs: the dropout rngs (an `nnx.Rngs` or its `dropout` stream);
+        default: the ones given to the constructor. Used only for active
+        dropout.
       sow_weights: must be False.
       decode: one autoregressive step through the cache (see class doc);
         defaults to the constructor's `decode`.
@@ -123,7 +134,6 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     Returns:
       [batch..., q_len, out_features].
     """
-    del rngs  # No dropout in the kernels yet; active dropout raises below.
     if sow_weights:
       raise NotImplementedError(
           "FlashMultiHeadAttention cannot sow attention weights: flash "
@@ -173,6 +183,9 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     x = flax_adapter.flax_attention(
         query, key, value, mask=mask, **masking,
         dropout_rate=self.dropout_rate, deterministic=deterministic,
+        dropout_rng=None if deterministic else self._dropout_rng(rngs),
+        broadcast_dropout=self.broadcast_dropout,
+        sinks=None if self.sinks is None else self.sinks[...],
         dtype=self.dtype, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -191,6 +204,17 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
                        "FlashMultiHeadAttention (needed with dropout_rate > "
                        "0), neither in the call nor in the constructor.")
     return deterministic
+
+  def _dropout_rng(self, rngs):
+    """One key from the call's or the constructor's dropout stream."""
+    rngs = self.rngs if rngs is None else rngs
+    if isinstance(rngs, nnx.Rngs):
+      rngs = rngs.dropout
+    if rngs is None:
+      raise ValueError("FlashMultiHeadAttention needs `rngs` for dropout "
+                       "(dropout_rate > 0, deterministic=False): pass them "
+                       "to the call, or keep_rngs=True in the constructor.")
+    return rngs()
 
   def _append_to_cache(self, key, value):
     """Writes one step's key/value; returns the caches and their lengths."""

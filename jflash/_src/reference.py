@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jflash._src import dropout
 from jflash._src import tiles
 
 
@@ -22,6 +23,8 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
                         segment_ids: tuple[jax.Array, jax.Array] | None = None,
                         bias: jax.Array | None = None,
                         mask: jax.Array | None = None,
+                        sinks=None, alibi_slopes=None,
+                        dropout_rate: float = 0.0, dropout_seeds=None,
                         return_lse: bool = False):
   """Reference attention.
 
@@ -43,6 +46,15 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     bias: [1 or batch, 1 or num_heads, q_len, kv_len], added to the (capped)
       logits.
     mask: bool, shaped as bias; False hides the entry.
+    sinks: float32 [batch, num_heads] natural-log sink logits, or None: an
+      extra exp(sink) term in the softmax denominator of every valid row
+      (rows past q_len stay empty).
+    alibi_slopes: float32 [batch, num_heads] or None: logit (r, c) gets
+      -slope * |r + offset - c|, offset as for the causal mask, after the
+      soft cap.
+    dropout_rate: attention dropout rate; with it, dropout_seeds (uint32
+      [batch, num_heads, 2]) select the kept probabilities (dropout.py, the
+      kernels' very mask), which are scaled by 1 / (1 - rate).
     return_lse: also return the natural-log log-sum-exp of each row's
       visible logits, float32 [batch, q_len, num_heads] (-inf for rows
       with no visible key).
@@ -71,6 +83,11 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   cols = jnp.arange(kv_seq)[None, :]
   visible = cols[None] < kv_lens[:, None, None]
   offset = (kv_lens - q_lens)[:, None, None] if bottom_right else 0
+  if alibi_slopes is not None:
+    distance = jnp.abs(rows + offset - cols).astype(jnp.float32)
+    logits = logits - (alibi_slopes.reshape(batch, num_kv_heads, group, 1, 1)
+                       * jnp.broadcast_to(distance, (batch, q_seq, kv_seq))[
+                           :, None, None])
   if is_causal:
     visible = jnp.logical_and(visible, cols <= rows + offset)
   if window is not None:
@@ -85,11 +102,23 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   if mask is not None:
     visible = jnp.logical_and(visible, grouped(mask))
   logits = jnp.where(visible, logits, tiles.MASK_VALUE)
-  row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  if sinks is not None:
+    # [batch, num_heads] -> [batch, kv_heads, group, 1, 1], like the logits.
+    sinks = sinks.reshape(batch, num_kv_heads, group, 1, 1)
+    row_max = jnp.maximum(row_max, sinks)
+  row_max = jax.lax.stop_gradient(row_max)
   probs = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
   row_sum = jnp.sum(probs, axis=-1, keepdims=True)
+  if sinks is not None:
+    valid_row = (rows[None] < q_lens[:, None, None])[:, None, None]
+    row_sum = row_sum + jnp.where(valid_row, jnp.exp(sinks - row_max), 0.0)
   safe_sum = jnp.where(row_sum > 0.0, row_sum, 1.0)
   probs = probs / safe_sum
+  if dropout_rate:
+    keep = dropout.keep_mask(dropout_seeds, q_seq, kv_seq, dropout_rate)
+    keep = keep.reshape(batch, num_kv_heads, group, q_seq, kv_seq)
+    probs = jnp.where(keep, probs * (1.0 / (1.0 - dropout_rate)), 0.0)
   out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   out = out.reshape(batch, q_seq, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,130 @@
+"""ALiBi (alibi_slopes): forward and gradients against a dense bias."""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from tests import test_util
+
+
+def _alibi_bias(slopes, q_len, kv_len, offset=0):
+  """Dense [batch or 1, num_heads, q_len, kv_len] bias."""
+  rows, cols = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+  offset = jnp.asarray(offset).reshape(-1, 1, 1, 1)
+  distance = jnp.abs(rows + offset - cols).astype(jnp.float32)
+  slopes = slopes if slopes.ndim == 2 else slopes[None]
+  return -slopes[:, :, None, None] * distance
+
+
+def _capped_alibi_attention(q, k, v, slopes, *, cap, q_lens, kv_lens):
+  """Soft cap, then ALiBi, bottom-right causal mask and lengths, in jnp."""
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len = k.shape[1]
+  k, v = (jnp.repeat(x, num_heads // k.shape[2], axis=2) for x in (k, v))
+  logits = jnp.einsum("btnd,bsnd->bnts", q, k,
+                      preferred_element_type=jnp.float32) / np.sqrt(head_dim)
+  offset = kv_lens - q_lens
+  logits = cap * jnp.tanh(logits / cap) + _alibi_bias(slopes, q_len, kv_len,
+                                                      offset)
+  rows, cols = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+  visible = ((cols <= rows + offset[:, None, None])
+             & (cols < kv_lens[:, None, None])
+             & (rows < q_lens[:, None, None]))[:, None]
+  logits = jnp.where(visible, logits, -jnp.inf)
+  probs = jnp.exp(logits - jnp.max(logits, -1, keepdims=True))
+  probs = jnp.where(visible, probs / jnp.sum(probs, -1, keepdims=True), 0.0)
+  return jnp.einsum("bnts,bsnd->btnd", probs.astype(v.dtype), v,
+                    preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+class AlibiTest(parameterized.TestCase):
+  INTERPRET = test_util.INTERPRET
+
+  def _flash(self, implementation="triton", **kwargs):
+    if implementation == "xla":
+      return functools.partial(jflash.flash_attention, implementation="xla",
+                               **kwargs)
+    return functools.partial(
+        jflash.flash_attention, implementation="triton",
+        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
+        **kwargs)
+
+  @parameterized.named_parameters(
+      ("causal_gqa_float32", "float32", True, 40, 56, False),
+      # Slopes per (batch, head), more queries than keys, lengths.
+      ("not_causal_bfloat16", "bfloat16", False, 56, 40, True),
+  )
+  def test_matches_jax_nn_with_dense_bias(self, dtype, is_causal, q_len,
+                                          kv_len, per_batch):
+    q, k, v, dout = test_util.random_inputs(
+        90, q_len=q_len, kv_len=kv_len, num_heads=2, num_kv_heads=1,
+        dtype=dtype)
+    slopes = 2.0 ** -jnp.arange(1.0, 5.0, 2.0)  # Geometric, as ALiBi's.
+    options = dict(is_causal=is_causal)
+    if per_batch:
+      slopes = jnp.stack([slopes, slopes[::-1]])
+      options.update(query_seq_lengths=jnp.array([q_len, 31]),
+                     key_value_seq_lengths=jnp.array([17, kv_len]))
+    bias = _alibi_bias(slopes, q_len, kv_len)
+    for implementation in ("triton", "xla"):
+      with self.subTest(implementation):
+        fn = self._flash(implementation, alibi_slopes=slopes, **options)
+        results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+            fn, q, k, v, dout)
+        test_util.assert_close_to_jax_nn(
+            self, results, q, k, v, dout,
+            bias=jnp.broadcast_to(bias, (2, 2, q_len, kv_len)), **options)
+
+  def test_soft_cap_bottom_right_and_lengths(self):
+    q, k, v, dout = test_util.random_inputs(91, q_len=40, kv_len=64,
+                                            num_heads=2, num_kv_heads=1)
+    slopes = jnp.array([0.3, 0.05])
+    q_lens, kv_lens = jnp.array([40, 29]), jnp.array([64, 50])
+    reference = functools.partial(_capped_alibi_attention, slopes=slopes,
+                                  cap=4.0, q_lens=q_lens, kv_lens=kv_lens)
+    for implementation in ("triton", "xla"):
+      with self.subTest(implementation):
+        fn = self._flash(
+            implementation, alibi_slopes=slopes, logits_soft_cap=4.0,
+            is_causal=True, causal_alignment="bottom_right",
+            query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens)
+        results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+            fn, q, k, v, dout)
+        test_util.assert_close_to_function(self, results, reference,
+                                           (q, k, v), dout,
+                                           ("out", "dq", "dk", "dv"))
+
+  def test_slopes_are_not_differentiable(self):
+    q, k, v, _ = test_util.random_inputs(92, q_len=8, kv_len=8)
+    slopes = jnp.array([0.5, 0.25])
+    for implementation in ("triton", "xla"):
+      loss = lambda s: jnp.sum(
+          self._flash(implementation, alibi_slopes=s)(q, k, v))
+      with self.assertRaisesRegex(NotImplementedError,
+                                  "alibi_slopes are not differentiable"):
+        jax.grad(loss)(slopes)
+    # Stopped gradients are fine.
+    jax.grad(lambda s: loss(jax.lax.stop_gradient(s)))(slopes)
+
+  @parameterized.named_parameters(
+      ("heads", (3,), r"alibi_slopes.shape=\(3,\)"),
+      ("batch", (3, 4), r"\(4,\) or \(2, 4\)"),
+      ("dtype", None, "alibi_slopes must be a float"),
+  )
+  def test_bad_slopes(self, shape, message):
+    q, k, v, _ = test_util.random_inputs(93, q_len=8, kv_len=8, num_heads=4,
+                                         num_kv_heads=2)
+    slopes = (jnp.ones((4,), jnp.int32) if shape is None
+              else jnp.ones(shape))
+    for implementation in ("triton", "xla"):
+      with self.assertRaisesRegex(ValueError, message):
+        self._flash(implementation, alibi_slopes=slopes)(q, k, v)
+
+
+if __name__ == "__main__":
+  absltest.main()

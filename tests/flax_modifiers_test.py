@@ -1,0 +1,162 @@
+"""Flax routing of attention dropout and sinks (nnx and linen).
+
+The kernels' dropout and sinks are tested in dropout_test.py and
+sinks_test.py; here the XLA path (the same semantics and the same masks)
+keeps the module tests fast.
+"""
+
+from absl.testing import absltest
+import chex
+from flax import linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+import jflash.linen
+import jflash.nnx
+
+FEATURES = 32
+_STATIC = ("dropout_rate", "broadcast_dropout", "deterministic")
+
+
+def _inputs(seed, shape=(2, 16, FEATURES)):
+  return jax.random.normal(jax.random.key(seed), shape)
+
+
+class AttentionFnTest(absltest.TestCase):
+
+  def test_dropout_reaches_the_kernel_call(self):
+    # Two batch dims, flattened to one by the adapter: the masks are those
+    # of flash_attention on the flattened batch.
+    q, k, v = (_inputs(i, (2, 3, 16, 4, 8)) for i in range(3))
+    key = jax.random.key(7)
+    fn = jax.jit(jflash.nnx.attention_fn(implementation="xla"),
+                 static_argnames=_STATIC)
+    out = fn(q, k, v, dropout_rng=key, dropout_rate=0.3,
+             broadcast_dropout=False, deterministic=False)
+    flat = lambda x: x.reshape(6, *x.shape[2:])
+    flash = jax.jit(jflash.flash_attention, static_argnames=(
+        "implementation", "dropout_rate", "broadcast_dropout"))
+    expected = flash(
+        flat(q), flat(k), flat(v), dropout_rate=0.3, dropout_rng=key,
+        implementation="xla")
+    chex.assert_trees_all_equal(out, expected.reshape(out.shape))
+    # Deterministic: no dropout.
+    plain = flash(flat(q), flat(k), flat(v),
+                  implementation="xla").reshape(out.shape)
+    chex.assert_trees_all_equal(
+        fn(q, k, v, dropout_rng=key, dropout_rate=0.3, deterministic=True),
+        plain)
+    with self.assertRaisesRegex(ValueError, "dropout_rng is required"):
+      fn(q, k, v, dropout_rate=0.3, deterministic=False)
+
+  def test_broadcast_dropout_shares_the_mask(self):
+    # Identical batch elements and heads stay identical only when the mask
+    # is shared.
+    x = jnp.broadcast_to(_inputs(8, (1, 16, 1, 8)), (2, 16, 3, 8))
+    fn = jax.jit(jflash.linen.attention_fn(implementation="xla"),
+                 static_argnames=_STATIC)
+    for broadcast in (True, False):
+      out = fn(x, x, x, dropout_rng=jax.random.key(0), dropout_rate=0.5,
+               broadcast_dropout=broadcast, deterministic=False)
+      same = bool(jnp.all(out == out[:1, :, :1]))
+      self.assertEqual(same, broadcast)
+
+  def test_stock_modules_train_with_jflash_dropout(self):
+    x = _inputs(9)
+    nnx_layer = nnx.MultiHeadAttention(
+        num_heads=4, in_features=FEATURES, dropout_rate=0.2, decode=False,
+        attention_fn=jflash.nnx.attention_fn(implementation="xla"),
+        rngs=nnx.Rngs(0, dropout=1))
+    train, evaluate = (nnx.jit(lambda m, d=d: m(x, deterministic=d))(
+        nnx_layer) for d in (False, True))
+    self.assertGreater(float(jnp.max(jnp.abs(train - evaluate))), 1e-3)
+    linen_layer = nn.MultiHeadDotProductAttention(
+        num_heads=4, dropout_rate=0.2,
+        attention_fn=jflash.linen.attention_fn(implementation="xla"))
+    variables = linen_layer.init(jax.random.key(0), x, deterministic=True)
+    apply = jax.jit(lambda seed: linen_layer.apply(
+        variables, x, deterministic=False,
+        rngs={"dropout": jax.random.key(seed)}))
+    chex.assert_trees_all_equal(apply(1), apply(1))
+    self.assertGreater(float(jnp.max(jnp.abs(apply(1) - apply(2)))), 1e-3)
+
+
+class NnxModuleTest(absltest.TestCase):
+
+  def test_dropout_uses_the_dropout_stream(self):
+    make = lambda: jflash.nnx.FlashMultiHeadAttention(
+        num_heads=4, in_features=FEATURES, dropout_rate=0.3, decode=False,
+        implementation="xla", rngs=nnx.Rngs(0, dropout=5))
+    x = _inputs(10)
+    first, second = make(), make()
+    chex.assert_trees_all_equal(first(x, deterministic=False),
+                                second(x, deterministic=False))
+    # Training differs from evaluation; call-time rngs take precedence.
+    self.assertGreater(float(jnp.max(jnp.abs(
+        first(x, deterministic=False) - second(x, deterministic=True)))),
+                       1e-3)
+    chex.assert_trees_all_equal(
+        first(x, deterministic=False, rngs=nnx.Rngs(dropout=3)),
+        second(x, deterministic=False, rngs=nnx.Rngs(dropout=3)))
+    no_rngs = jflash.nnx.FlashMultiHeadAttention(
+        num_heads=4, in_features=FEATURES, dropout_rate=0.3, decode=False,
+        implementation="xla", keep_rngs=False, rngs=nnx.Rngs(0))
+    with self.assertRaisesRegex(ValueError, "rngs"):
+      no_rngs(x, deterministic=False)
+
+  def test_sinks_parameter(self):
+    kwargs = dict(num_heads=4, in_features=FEATURES, num_kv_heads=2,
+                  decode=False)
+    stock = nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))
+    ours = jflash.nnx.FlashMultiHeadAttention(
+        **kwargs, use_sinks=True, implementation="xla", rngs=nnx.Rngs(1))
+    self.assertEqual(ours.sinks.shape, (4,))
+    np.testing.assert_array_equal(ours.sinks[...], 0.0)
+    nnx.update(ours, nnx.state(stock, nnx.Param))
+    x = _inputs(11)
+    call = nnx.jit(lambda m: m(x, is_causal=True))
+    # Zero sinks lower every attention weight, so the output changes; the
+    # sinks are learnable.
+    with jax.default_matmul_precision("highest"):
+      expected = call(stock)
+      self.assertGreater(float(jnp.max(jnp.abs(call(ours) - expected))),
+                         1e-3)
+      grads = nnx.jit(nnx.grad(lambda m: jnp.sum(call(m) ** 2)))(ours)
+      self.assertGreater(float(jnp.max(jnp.abs(grads["sinks"][...]))), 0.0)
+      # A -inf sink is no sink: the stock module's output.
+      ours.sinks[...] = jnp.full((4,), -jnp.inf)
+      chex.assert_trees_all_close(call(ours), expected, rtol=2e-5,
+                                  atol=2e-5)
+
+
+class LinenModuleTest(absltest.TestCase):
+
+  def test_dropout_and_sinks(self):
+    layer = jflash.linen.FlashMultiHeadDotProductAttention(
+        num_heads=4, dropout_rate=0.3, use_sinks=True, implementation="xla")
+    x = _inputs(12)
+    variables = layer.init(jax.random.key(0), x, deterministic=True)
+    np.testing.assert_array_equal(variables["params"]["sinks"],
+                                  np.zeros(4))
+    apply = lambda **kw: layer.apply(variables, x, deterministic=False, **kw)
+    chex.assert_trees_all_equal(apply(rngs={"dropout": jax.random.key(1)}),
+                                apply(rngs={"dropout": jax.random.key(1)}))
+    # An explicit dropout_rng takes precedence over the rng stream.
+    chex.assert_trees_all_equal(
+        apply(rngs={"dropout": jax.random.key(1)},
+              dropout_rng=jax.random.key(2)),
+        apply(dropout_rng=jax.random.key(2)))
+    self.assertGreater(float(jnp.max(jnp.abs(
+        apply(dropout_rng=jax.random.key(2))
+        - layer.apply(variables, x, deterministic=True)))), 1e-3)
+    grads = jax.grad(lambda v: jnp.sum(
+        layer.apply(v, x, deterministic=True) ** 2))(variables)
+    self.assertGreater(float(jnp.max(jnp.abs(grads["params"]["sinks"]))),
+                       0.0)
+
+
+if __name__ == "__main__":
+  absltest.main()
