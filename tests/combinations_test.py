@@ -1,0 +1,80 @@
+"""Every mask and modifier at once, in both kernels, against the XLA path.
+
+Each option is tested on its own (and against jax.nn where it has it) in its
+own file; here they are combined, so that the forward, dK/dV and dQ kernels
+must agree on one mask description with all of them on. The reference is
+jflash's pure-JAX path on float32-upcast inputs at HIGHEST precision (it
+regenerates the very same dropout mask).
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from tests import test_util
+
+Q_LEN, KV_LEN, HEADS, KV_HEADS = 40, 56, 4, 2
+
+
+def _segments():
+  # Three packed segments per row, queries and keys at the same positions;
+  # the second batch element's segments are shifted.
+  q_ids = np.stack([np.arange(Q_LEN) // 13, (np.arange(Q_LEN) + 5) // 13])
+  kv_ids = np.stack([np.arange(KV_LEN) // 13, (np.arange(KV_LEN) + 5) // 13])
+  return dict(q_segment_ids=jnp.asarray(q_ids, jnp.int32),
+              kv_segment_ids=jnp.asarray(kv_ids, jnp.int32))
+
+
+class CombinationsTest(parameterized.TestCase):
+  INTERPRET = test_util.INTERPRET
+
+  def _check(self, dtype, **options):
+    q, k, v, dout = test_util.random_inputs(
+        120, q_len=Q_LEN, kv_len=KV_LEN, num_heads=HEADS,
+        num_kv_heads=KV_HEADS, dtype=dtype)
+    fn = functools.partial(
+        jflash.flash_attention, implementation="triton",
+        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
+        **options)
+    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+        fn, q, k, v, dout)
+    test_util.assert_close_to_reference(self, results, q, k, v, dout,
+                                        **options)
+
+  @parameterized.parameters("float32", "bfloat16")
+  def test_masks_and_modifiers_together(self, dtype):
+    self._check(
+        dtype, is_causal=True, local_window_size=(24, 0),
+        query_seq_lengths=jnp.array([40, 31]),
+        key_value_seq_lengths=jnp.array([56, 45]), logits_soft_cap=5.0,
+        sinks=jnp.array([0.5, -1.0, 0.0, 1.5]),
+        alibi_slopes=jnp.array([0.25, 0.125, 0.0625, 0.5]),
+        dropout_rate=0.2, dropout_rng=jax.random.key(121), **_segments())
+
+  def test_dense_bias_and_mask_with_segments_and_sinks(self):
+    keys = jax.random.split(jax.random.key(122), 2)
+    bias = jax.random.normal(keys[0], (1, HEADS, Q_LEN, KV_LEN))
+    mask = jax.random.bernoulli(keys[1], 0.8, (2, 1, Q_LEN, KV_LEN))
+    self._check("float32", bias=bias, mask=mask, is_causal=True,
+                causal_alignment="bottom_right",
+                key_value_seq_lengths=jnp.array([56, 30]),
+                sinks=jnp.array([0.5, -1.0, 0.0, 1.5]), **_segments())
+
+  @parameterized.parameters(
+      dict(alibi_slopes=jnp.ones((HEADS,))),
+      dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)))
+  def test_bias_with_alibi_or_dropout_is_not_implemented(self, **options):
+    q, k, v, _ = test_util.random_inputs(123, q_len=8, kv_len=8,
+                                         num_heads=HEADS)
+    with self.assertRaisesRegex(NotImplementedError, "`bias` together with"):
+      jflash.flash_attention(q, k, v, bias=jnp.zeros((8, 8)),
+                             interpret=self.INTERPRET, **options)
+
+
+if __name__ == "__main__":
+  absltest.main()
