@@ -80,10 +80,15 @@ class LinenTest(parameterized.TestCase):
     variables = stock.init(jax.random.key(0), x)
     self._assert_same(lambda v: stock.apply(v, x),
                       lambda v: plugged.apply(v, x), variables)
-    # linen filters keywords by signature: the mask must reach jflash (and
-    # be refused), never be silently dropped.
-    with self.assertRaisesRegex(NotImplementedError, "mask"):
-      plugged.apply(variables, x, mask=nn.make_causal_mask(x[..., 0]))
+    # linen filters keywords by signature: the mask must reach jflash, never
+    # be silently dropped (here it changes the result).
+    mask = nn.make_causal_mask(x[..., 0])
+    self._assert_same(lambda v: stock.apply(v, x, mask=mask),
+                      lambda v: plugged.apply(v, x, mask=mask), variables)
+    with jax.default_matmul_precision("highest"):
+      unmasked = stock.apply(variables, x)
+      masked = stock.apply(variables, x, mask=mask)
+    self.assertGreater(float(jnp.max(jnp.abs(unmasked - masked))), 1e-2)
 
   def test_decode_matches_full_causal_attention(self):
     stock = nn.MultiHeadDotProductAttention(num_heads=4)
@@ -134,8 +139,6 @@ class LinenTest(parameterized.TestCase):
     variables = ours.init(jax.random.key(0), x)
     with self.assertRaisesRegex(NotImplementedError, "sow"):
       ours.apply(variables, x, sow_weights=True)
-    with self.assertRaisesRegex(NotImplementedError, "mask"):
-      ours.apply(variables, x, mask=jnp.ones((2, 1, 24, 24), bool))
     with self.assertRaisesRegex(ValueError, "attention_fn"):
       self._ours(num_heads=4, attention_fn=jax.nn.dot_product_attention
                  ).init(jax.random.key(0), x)

@@ -103,6 +103,16 @@ class NnxTest(parameterized.TestCase):
       ours(x[:, :1], decode=True, q_segment_ids=ids[:, :1],
            kv_segment_ids=ids)
 
+  def test_dense_mask_matches_stock_module(self):
+    # A random mask per (batch, head) that leaves every row a visible key
+    # (rows without one differ by design: jflash gives 0, Flax the mean).
+    stock, ours = self._pair(num_kv_heads=2)
+    x = _inputs(14)
+    mask = jax.random.bernoulli(jax.random.key(15), 0.7, (2, 4, 24, 24))
+    mask = mask.at[..., 0].set(True)
+    self._assert_same_outputs_and_grads(
+        stock, ours, lambda m: m(x, mask=mask), lambda m: m(x, mask=mask))
+
   def test_attention_fn_in_stock_module(self):
     stock = nnx.MultiHeadAttention(num_heads=4, in_features=FEATURES,
                                    num_kv_heads=2, decode=False,
@@ -212,8 +222,6 @@ class NnxTest(parameterized.TestCase):
     x = _inputs(11)
     with self.assertRaisesRegex(NotImplementedError, "sow"):
       ours(x, sow_weights=True)
-    with self.assertRaisesRegex(NotImplementedError, "mask"):
-      ours(x, mask=jnp.ones((2, 1, 24, 24), bool))
     with self.assertRaisesRegex(NotImplementedError, "input_positions"):
       ours(x, input_positions=jnp.arange(24)[None])
     with self.assertRaisesRegex(ValueError, "init_cache"):
@@ -221,19 +229,28 @@ class NnxTest(parameterized.TestCase):
     ours.init_cache(x.shape)
     with self.assertRaisesRegex(ValueError, "one token"):
       ours(x[:, :2], decode=True)
+    with self.assertRaisesRegex(NotImplementedError, "dense mask"):
+      ours(x[:, :1], decode=True, mask=jnp.ones((2, 1, 1, 24), bool))
     with self.assertRaisesRegex(ValueError, "attention_fn"):
       jflash.nnx.FlashMultiHeadAttention(
           num_heads=4, in_features=FEATURES, attention_fn=lambda *a: a,
           rngs=nnx.Rngs(0))
 
   def test_stock_module_with_attention_fn_does_not_drop_the_mask(self):
+    stock, _ = self._pair()
     plugged = nnx.MultiHeadAttention(
         num_heads=4, in_features=FEATURES, decode=False,
         attention_fn=jflash.nnx.attention_fn(interpret=self.INTERPRET),
         rngs=nnx.Rngs(0))
+    nnx.update(plugged, nnx.state(stock, nnx.Param))
     x = _inputs(12)
-    with self.assertRaisesRegex(NotImplementedError, "mask"):
-      plugged(x, mask=nnx.make_causal_mask(x[..., 0]))
+    mask = nnx.make_causal_mask(x[..., 0])
+    with jax.default_matmul_precision("highest"):
+      expected, unmasked = stock(x, mask=mask), stock(x)
+    got = plugged(x, mask=mask)
+    chex.assert_trees_all_close(got, expected, rtol=2e-5, atol=2e-5)
+    # The mask matters here, so a dropped mask could not pass the check.
+    self.assertGreater(float(jnp.max(jnp.abs(unmasked - expected))), 1e-2)
     with self.assertRaisesRegex(NotImplementedError, "sow"):
       plugged(x, sow_weights=True)
 

@@ -78,6 +78,28 @@ def _flatten_batch(x, num_batch_dims: int):
   return x.reshape((math.prod(x.shape[:num_batch_dims]), *rest))
 
 
+def _flatten_dense(x, name: str, num_batch_dims: int, batch_shape):
+  """A Flax mask or bias [batch..., heads, q, kv] (broadcastable) as jflash
+  takes it: [1 or batch, heads or 1, q, kv].
+
+  All-broadcast batch dims stay one size-1 axis (never materialized); others
+  are broadcast to the full batch shape and flattened like the inputs.
+  """
+  x = jnp.asarray(x)
+  if name == "mask" and x.dtype != jnp.bool_:
+    x = x != 0  # Flax's masks are often float (make_attention_mask).
+  rank = num_batch_dims + 3
+  if x.ndim > rank:
+    raise ValueError(f"{name} must have at most {rank} dims ([batch..., "
+                     f"num_heads, q_len, kv_len]); got {name}.shape="
+                     f"{x.shape}.")
+  x = x.reshape((1,) * (rank - x.ndim) + x.shape)
+  rest = x.shape[num_batch_dims:]
+  if all(d == 1 for d in x.shape[:num_batch_dims]):
+    return x.reshape((1, *rest))
+  return jnp.broadcast_to(x, (*batch_shape, *rest)).reshape((-1, *rest))
+
+
 def flax_attention(
     query, key, value, *, mask=None, bias=None, is_causal=False,
     dropout_rate=0.0, deterministic=True, dropout_rng=None,
@@ -95,21 +117,15 @@ def flax_attention(
   do (yet), never silently ignores an option that changes the result.
   Dropout is active when dropout_rate > 0 and not deterministic, as in Flax;
   broadcast_dropout=True (Flax's default) shares one mask across the batch
-  dimensions and heads, as Flax's does.
+  dimensions and heads, as Flax's does. A dense `mask` (True = attend) and
+  `bias` broadcast to [batch..., num_heads, q_len, kv_len], as in Flax; they
+  are read tile by tile but skip no work, so prefer is_causal, the lengths
+  and the segment ids where they express the same mask.
   """
   if module is not None:
     raise NotImplementedError(
         "jflash attention cannot sow attention weights (sow_weights=True): "
         "flash attention never forms the [q_len, kv_len] weight matrix.")
-  if bias is not None:
-    raise NotImplementedError(
-        "jflash attention does not support `bias` yet; pass bias=None.")
-  if mask is not None:
-    raise NotImplementedError(
-        "jflash attention does not support a dense `mask` yet. Use "
-        "is_causal=True for causal masks, and query_seq_lengths / "
-        "key_value_seq_lengths (jflash's Flax modules take them as call "
-        "arguments) for padding masks.")
   dropout = {}
   if dropout_rate > 0.0 and not deterministic:
     if dropout_rng is None:
@@ -149,10 +165,13 @@ def flax_attention(
     per_batch[name] = (value_.reshape(-1) if name.endswith("lengths")
                        else _flatten_batch(value_, num_batch_dims))
 
+  dense = {name: _flatten_dense(x, name, num_batch_dims, batch_shape)
+           for name, x in (("mask", mask), ("bias", bias)) if x is not None}
   out = api.flash_attention(
       _flatten_batch(query, num_batch_dims),
       _flatten_batch(key, num_batch_dims),
       _flatten_batch(value, num_batch_dims),
+      **dense,
       is_causal=is_causal, implementation=implementation,
       block_sizes=block_sizes, interpret=interpret,
       logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,

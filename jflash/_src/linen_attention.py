@@ -29,8 +29,9 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   Differences from the stock module:
   - `__call__` also takes `is_causal`, `query_seq_lengths` /
     `key_value_seq_lengths` (integer [batch...]) and `q_segment_ids` /
-    `kv_segment_ids` (packed sequences); a dense `mask` and
-    `sow_weights=True` raise NotImplementedError.
+    `kv_segment_ids` (packed sequences); a dense `mask` works as in the
+    stock module (not in decode steps); `sow_weights=True` raises
+    NotImplementedError.
   - With `decode=True` the cache keeps one position per batch element
     (`cache_index` has shape [batch...]); each step of element b writes at
     `cache_index[b]` and attends to its first `cache_index[b] + 1` positions.
@@ -70,7 +71,10 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       inputs_k: [batch..., kv_len, features]; default inputs_q.
       inputs_v: [batch..., kv_len, features]; default inputs_k.
       inputs_kv: deprecated in Flax; sets both inputs_k and inputs_v.
-      mask: not supported yet (NotImplementedError).
+      mask: optional bool [batch..., num_heads, q_len, kv_len]
+        (broadcastable; True = attend), ANDed with every other mask; not in
+        decode steps. Read tile by tile, it skips no work: prefer is_causal,
+        the lengths and the segment ids where they express the mask.
       deterministic: disables dropout; required when dropout_rate > 0.
       dropout_rng: the dropout key; default: `self.make_rng('dropout')`.
       sow_weights: must be False.
@@ -147,6 +151,10 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         if q_segment_ids is not None or kv_segment_ids is not None:
           raise ValueError("Segment ids cannot be given in decode steps: a "
                            "step attends to its cache's valid slots.")
+        if mask is not None:
+          raise NotImplementedError(
+              "A dense mask cannot be given in decode steps yet: a step attends "
+              "to its cache's valid slots (and the window, if any).")
         key, value, key_value_seq_lengths = flax_adapter.append_to_cache(
             cached_key.value, cached_value.value, cache_index.value, key,
             value)

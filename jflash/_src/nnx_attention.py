@@ -34,8 +34,8 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
   - `__call__` also takes `query_seq_lengths` / `key_value_seq_lengths`
     (integer [batch...]) for padding, the kernels' native form of a padding
     mask, and `q_segment_ids` / `kv_segment_ids` for packed sequences. A
-    dense `mask`, `sow_weights=True` and `input_positions` raise
-    NotImplementedError.
+    dense `mask` works as in the stock module (not in decode steps);
+    `sow_weights=True` and `input_positions` raise NotImplementedError.
   - The decode cache keeps one position per batch element: `cache_index` has
     shape [batch...] (the stock module keeps one scalar). Each decode step
     writes the new key/value of element b at `cache_index[b]` and attends to
@@ -109,7 +109,9 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       inputs_q: [batch..., q_len, in_features].
       inputs_k: [batch..., kv_len, in_kv_features]; default inputs_q.
       inputs_v: [batch..., kv_len, in_kv_features]; default inputs_k.
-      mask: not supported yet (NotImplementedError); use is_causal and the
+      mask: optional bool [batch..., num_heads, q_len, kv_len]
+        (broadcastable; True = attend), ANDed with every other mask; not in
+        decode steps. It skips no work: prefer is_causal and the
         lengths.
       deterministic: disables dropout; required (here or in the constructor)
         when dropout_rate > 0.
@@ -174,6 +176,10 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       if q_segment_ids is not None or kv_segment_ids is not None:
         raise ValueError("Segment ids cannot be given in decode mode: a "
                          "decode step attends to its cache's valid slots.")
+      if mask is not None:
+        raise NotImplementedError(
+            "A dense mask cannot be given in decode steps yet: a step attends "
+            "to its cache's valid slots (and the window, if any).")
       key, value, key_value_seq_lengths = self._append_to_cache(key, value)
       masking = flax_adapter.decode_step_masking(self.local_window_size)
     else:
