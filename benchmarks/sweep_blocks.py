@@ -21,7 +21,8 @@ import jflash
 # (block_q, block_k, num_warps, num_stages)
 FORWARD = [
     (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-    (128, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3),
+    (128, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
+    (64, 32, 4, 3), (64, 64, 4, 4),
 ]
 # (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, warps, stages)
 BACKWARD = [
