@@ -93,6 +93,16 @@ class BlockSizesTest(parameterized.TestCase):
     # The backward tiles do not depend on the length (above the tile size).
     self.assertEqual(sizes.block_q_dkv, long.block_q_dkv)
 
+  @parameterized.parameters((1024, True, (64, 32)), (2048, True, (64, 32)),
+                            (4096, True, (128, 128)),
+                            (1024, False, (128, 128)))
+  def test_short_causal_sequences_get_narrow_key_tiles(self, seq_len,
+                                                       is_causal, tiles):
+    sizes = jflash.default_block_sizes(
+        q_len=seq_len, kv_len=seq_len, head_dim=128, dtype="bfloat16",
+        is_causal=is_causal, device_kind="NVIDIA H200")
+    self.assertEqual((sizes.block_q, sizes.block_k), tiles)
+
 
 if __name__ == "__main__":
   absltest.main()
