@@ -28,6 +28,12 @@ CASES = [
     (1, 130, 70, 2, 1, 256, "float32", False),
     (1, 64, 64, 2, 2, 192, "float32", True),
     (2, 2048, 2048, 4, 4, 64, "float32", True),
+    # The short-sequence forward tiles (64x64 up to 512 tokens; 64x32 for
+    # causal 64 < D <= 128 up to 2048), odd lengths and T != S included.
+    (2, 512, 512, 4, 4, 128, "bfloat16", False),
+    (2, 1024, 1024, 4, 4, 128, "bfloat16", True),
+    (1, 2000, 1999, 4, 2, 128, "bfloat16", True),
+    (1, 1500, 1800, 4, 4, 96, "float16", True),
 ]
 
 
@@ -57,9 +63,9 @@ def _errors(b, t, s, n, k, d, dtype, causal):
 
 def main():
   print(jax.__version__, jax.devices())
-  only = sys.argv[1] if len(sys.argv) > 1 else None  # e.g. "float32"
+  only = sys.argv[1] if len(sys.argv) > 1 else None  # e.g. "float32", "True"
   for case in CASES:
-    if only and only not in case:
+    if only and only not in map(str, case):
       continue
     try:
       ours, low = _errors(*case)
