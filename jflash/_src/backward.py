@@ -389,20 +389,14 @@ def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
       soft_cap=config.logits_soft_cap, block_q=block_q,
       block_k=block_k, head_dim=head_dim, has_bias=config.has_bias,
       q_tile_axis=q_tile_axis, mods=mods)
-  num_q_tiles = pl.cdiv(q_seq, block_q)
-  inputs = [q, k, v, do, lse, delta, q_lens, kv_lens]
+  optional, optional_specs = forward.query_tile_operands(
+      config, mods, q_ids, kv_ids, bias, dense_mask, mod_operands,
+      q_lens=q_lens, kv_lens=kv_lens, block_q=block_q, block_k=block_k,
+      q_seq=q_seq, kv_seq=kv_seq, batch=batch, num_heads=num_heads,
+      order=order)
+  inputs = [q, k, v, do, lse, delta, q_lens, kv_lens, *optional]
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, stats_spec, stats_spec,
-              lengths_spec, lengths_spec]
-  if config.has_segments:
-    inputs += [q_ids, kv_ids, *masks.segment_tile_ranges(
-        q_ids, q_lens, block_q, kv_ids, kv_lens, block_k)]
-    in_specs += masks.segment_specs(q_seq, kv_seq, num_q_tiles, order)
-  for operand in (bias, dense_mask):
-    if operand is not None:
-      inputs.append(operand)
-      in_specs.append(dense.block_spec(operand, batch, order=order))
-  inputs += mod_operands
-  in_specs += mods.operand_specs(num_heads, order)
+              lengths_spec, lengths_spec, *optional_specs]
   return pl.pallas_call(
       kernel,
       grid=grid,

@@ -227,6 +227,29 @@ def query_tile_index(mask: masks.MaskSpec, q_tile_axis: int, q_seq: int,
   return index
 
 
+def query_tile_operands(config: KernelConfig, mods, q_ids, kv_ids, bias,
+                        dense_mask, mod_operands, *, q_lens, kv_lens,
+                        block_q: int, block_k: int, q_seq: int, kv_seq: int,
+                        batch: int, num_heads: int, order):
+  """(operands, BlockSpecs) of the optional inputs of the kernels with one
+  program per query tile (forward, dQ), in `split_extras` order: segment ids
+  and each query tile's key-tile range, bias, dense mask, then the operands
+  of `mods`. `order` as `query_tile_grid`'s."""
+  inputs, specs = [], []
+  if config.has_segments:
+    inputs += [q_ids, kv_ids, *masks.segment_tile_ranges(
+        q_ids, q_lens, block_q, kv_ids, kv_lens, block_k)]
+    specs += masks.segment_specs(q_seq, kv_seq, pl.cdiv(q_seq, block_q),
+                                 order)
+  for operand in (bias, dense_mask):
+    if operand is not None:
+      inputs.append(operand)
+      specs.append(dense.block_spec(operand, batch, order=order))
+  inputs += mod_operands
+  specs += mods.operand_specs(num_heads, order)
+  return inputs, specs
+
+
 def head_axis(q_tile_axis: int) -> int:
   """The head's grid axis in `query_tile_grid`'s grids: 2, or 0."""
   return 2 - q_tile_axis
@@ -275,18 +298,14 @@ def forward_call(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
   lengths_spec = pl.BlockSpec((batch,), order(lambda i, b, h: (0,)))
   lse_spec = pl.BlockSpec((None, None, q_seq),
                           order(lambda i, b, h: (b, h, 0)))
-  inputs = [q, k, v, q_lens, kv_lens]
-  in_specs = [q_spec, kv_spec, kv_spec, lengths_spec, lengths_spec]
-  if config.has_segments:
-    inputs += [q_ids, kv_ids, *masks.segment_tile_ranges(
-        q_ids, q_lens, block_q, kv_ids, kv_lens, block_k)]
-    in_specs += masks.segment_specs(q_seq, kv_seq, num_q_tiles, order)
-  for operand in (bias, dense_mask):
-    if operand is not None:
-      inputs.append(operand)
-      in_specs.append(dense.block_spec(operand, batch, order=order))
-  inputs += mod_operands
-  in_specs += config.modifiers.operand_specs(num_heads, order)
+  optional, optional_specs = query_tile_operands(
+      config, config.modifiers, q_ids, kv_ids, bias, dense_mask, mod_operands,
+      q_lens=q_lens, kv_lens=kv_lens, block_q=block_q, block_k=block_k,
+      q_seq=q_seq, kv_seq=kv_seq, batch=batch, num_heads=num_heads,
+      order=order)
+  inputs = [q, k, v, q_lens, kv_lens, *optional]
+  in_specs = [q_spec, kv_spec, kv_spec, lengths_spec, lengths_spec,
+              *optional_specs]
   return pl.pallas_call(
       kernel,
       grid=grid,
