@@ -33,6 +33,21 @@ BACKWARD = [
 ]
 
 
+def _configs(size):
+  """argparse type: 'a,b,c,d;e,f,g,h' -> [(a, b, c, d), (e, f, g, h)]."""
+  def parse(text):
+    try:
+      configs = [tuple(int(x) for x in part.split(","))
+                 for part in text.split(";") if part.strip()]
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected integers, got {text!r}")
+    if not configs or any(len(c) != size for c in configs):
+      raise argparse.ArgumentTypeError(
+          f"expected ';'-separated groups of {size} integers, got {text!r}")
+    return configs
+  return parse
+
+
 def main(argv):
   parser = argparse.ArgumentParser()
   parser.add_argument("--shape", type=bench.parse_shape,
@@ -41,6 +56,17 @@ def main(argv):
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--passes", choices=("fwd", "bwd", "both"),
                       default="both", help="which tile sweep to run")
+  parser.add_argument(
+      "--forward", type=_configs(4), default=FORWARD, metavar="Q,K,W,S;...",
+      help="forward configurations (block_q,block_k,warps,stages), ';'-"
+      "separated; default: the D=128 list above")
+  parser.add_argument(
+      "--backward", type=_configs(6), default=BACKWARD,
+      metavar="QKV,KKV,QDQ,KDQ,W,S;...",
+      help="backward configurations (block_q_dkv,block_k_dkv,block_q_dq,"
+      "block_k_dq,warps,stages), ';'-separated")
+  parser.add_argument("--causal", choices=("no", "yes", "both"),
+                      default="both")
   args = parser.parse_args(argv[1:])
   shape = args.shape
   dims = (shape.batch, shape.seq_len, shape.num_heads, shape.head_dim)
@@ -53,7 +79,8 @@ def main(argv):
     _, per_call = bench.time_step(step, inputs, 2, args.repeats, args.iters)
     return bench.flops(shape, is_causal, pass_) / per_call / 1e12
 
-  for is_causal in (False, True):
+  causal_values = {"no": (False,), "yes": (True,), "both": (False, True)}
+  for is_causal in causal_values[args.causal]:
     base = jflash.default_block_sizes(
         q_len=shape.seq_len, kv_len=shape.seq_len, head_dim=shape.head_dim,
         dtype=jnp.bfloat16, is_causal=is_causal,
@@ -66,12 +93,12 @@ def main(argv):
     if args.passes in ("fwd", "both"):
       configs += [("fwd", dataclasses.replace(
           base, block_q=bq, block_k=bk, num_warps=w, num_stages=s))
-                  for bq, bk, w, s in FORWARD]
+                  for bq, bk, w, s in args.forward]
     if args.passes in ("bwd", "both"):
       configs += [("fwd+bwd", dataclasses.replace(
           base, block_q_dkv=a, block_k_dkv=b, block_q_dq=c, block_k_dq=d,
           num_warps_bwd=w, num_stages_bwd=s))
-                  for a, b, c, d, w, s in BACKWARD]
+                  for a, b, c, d, w, s in args.backward]
     for pass_, sizes in configs:
       attn = lambda q, k, v, sizes=sizes: jflash.flash_attention(
           q, k, v, is_causal=is_causal, block_sizes=sizes)

@@ -8,6 +8,7 @@ regenerates the very same dropout mask).
 """
 
 import functools
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from jflash._src import forward
 from tests import test_util
 
 Q_LEN, KV_LEN, HEADS, KV_HEADS = 40, 56, 4, 2
@@ -37,6 +39,8 @@ class CombinationsTest(parameterized.TestCase):
     q, k, v, dout = test_util.random_inputs(
         120, q_len=Q_LEN, kv_len=KV_LEN, num_heads=HEADS,
         num_kv_heads=KV_HEADS, dtype=dtype)
+    # A new partial per call: jit must trace again (see the launch order
+    # test, which patches a module constant read at trace time).
     fn = functools.partial(
         jflash.flash_attention, implementation="triton",
         interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
@@ -45,6 +49,7 @@ class CombinationsTest(parameterized.TestCase):
         fn, q, k, v, dout)
     test_util.assert_close_to_reference(self, results, q, k, v, dout,
                                         **options)
+    return results
 
   @parameterized.parameters("float32", "bfloat16")
   def test_masks_and_modifiers_together(self, dtype):
@@ -64,6 +69,26 @@ class CombinationsTest(parameterized.TestCase):
                 causal_alignment="bottom_right",
                 key_value_seq_lengths=jnp.array([56, 30]),
                 sinks=jnp.array([0.5, -1.0, 0.0, 1.5]), **_segments())
+
+  def test_causal_launch_orders_agree(self):
+    # Causal calls launch head-major below forward.CAUSAL_TILE_MAJOR_KV_LEN
+    # keys and tile-major from there on (forward.query_tile_grid); the order
+    # moves the optional operands' index maps, not the arithmetic. Lowering
+    # the threshold sends these short calls down the long-sequence path.
+    self.assertGreater(forward.CAUSAL_TILE_MAJOR_KV_LEN, KV_LEN)
+    keys = jax.random.split(jax.random.key(124), 2)
+    options = dict(
+        is_causal=True, bias=jax.random.normal(keys[0], (1, HEADS, Q_LEN,
+                                                          KV_LEN)),
+        mask=jax.random.bernoulli(keys[1], 0.9, (2, 1, Q_LEN, KV_LEN)),
+        query_seq_lengths=jnp.array([40, 31]), logits_soft_cap=5.0,
+        sinks=jnp.array([0.5, -1.0, 0.0, 1.5]), **_segments())
+    head_major = self._check("bfloat16", **options)
+    with mock.patch.object(forward, "CAUSAL_TILE_MAJOR_KV_LEN", 1):
+      tile_major = self._check("bfloat16", **options)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), head_major, tile_major):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=name)
 
   @parameterized.parameters(
       dict(alibi_slopes=jnp.ones((HEADS,))),

@@ -376,7 +376,7 @@ def dq_call(q, k, v, do, lse, delta, q_lens, kv_lens, *extras,
   block_k = config.block_sizes.block_k_dq
   head_dim_p = head_dim_padded(head_dim)
   grid, order, q_tile_axis = forward.query_tile_grid(
-      pl.cdiv(q_seq, block_q), batch, num_heads, config.is_causal)
+      pl.cdiv(q_seq, block_q), batch, num_heads, config.is_causal, kv_seq)
   q_spec = pl.BlockSpec((None, q_seq, None, head_dim_p),
                         order(lambda i, b, h: (b, 0, h, 0)))
   kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),

@@ -187,7 +187,8 @@ def forward_kernel(
   # exact zeros); rows past q_len are treated as having none.
   has_keys = jnp.logical_and(row_sum > 0.0, rows[:, 0] < q_len)
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
-  out = jnp.where(has_keys[:, None], acc / safe_sum[:, None], 0.0)
+  # One reciprocal per row, then a multiply per element (not a division).
+  out = acc * jnp.where(has_keys, 1.0 / safe_sum, 0.0)[:, None]
   lse = jnp.where(has_keys, row_max + jnp.log2(safe_sum), jnp.inf)
   tiles.store_tile(o_ref, q_start, out, seq_len=q_seq, head_dim=head_dim)
   tiles.store_row_stats(lse_ref, q_start, lse, seq_len=q_seq)
@@ -198,20 +199,30 @@ def forward_kernel(
 # Triton launches programs in grid order, axis 0 fastest. Without a causal
 # mask every query tile costs the same and the grid is (query tile, batch,
 # head): neighbouring programs share one head's K/V in L2. With a causal mask
-# query tile i visits i + 1 key tiles, so the grid is (head, batch, query
-# tile) with the tile index reversed: every head's longest tiles run first
-# and the shortest fill the last wave (longest-processing-time-first). On an
-# H200 (bf16, D=128) this took the causal forward from 355 to 401 TFLOP/s at
-# N=8192 and from 234 to 280 at D=64 (WORKSPACE_NOTES.md, 2026-11-22).
+# query tile i visits i + 1 key tiles and the tile index is reversed, so the
+# longest tiles launch first and the shortest fill the last wave
+# (longest-processing-time-first). Up to moderate lengths the grid is (head,
+# batch, query tile): every head's longest tiles run before any head's short
+# ones. At long key lengths that order spreads the programs in flight over
+# every head's K/V, which no longer stays in L2, so from
+# `CAUSAL_TILE_MAJOR_KV_LEN` keys on the grid is (query tile, batch, head)
+# again: the programs in flight mostly share one head's K/V. H200, bf16,
+# B=1, H=16, D=128, causal (WORKSPACE_NOTES.md, 2026-11-23), head-major
+# against tile-major forward TFLOP/s: 408 vs 375 at N=8192, 442 vs 447 at
+# 16384, 442 vs 458 at 32768, 422 vs 455 at 65536, 397 vs 470 at 131072
+# (fwd+bwd 327 vs 387); at B=2, N=8192: 418 vs 395.
+CAUSAL_TILE_MAJOR_KV_LEN = 16384
+
+
 def query_tile_grid(num_q_tiles: int, batch: int, num_heads: int,
-                    is_causal: bool):
+                    is_causal: bool, kv_seq: int):
   """(grid, order, q_tile_axis) for kernels with one program per query tile.
 
   `order(f)` adapts an index map written as f(i, b, h) to the grid's axis
   order; `q_tile_axis` is the grid axis of the query tile. The batch is axis
   1 in both orders (`masks.load_lengths` reads it there).
   """
-  if is_causal:
+  if is_causal and kv_seq < CAUSAL_TILE_MAJOR_KV_LEN:
     order = lambda f: (lambda h, b, i: f(i, b, h))
     return (num_heads, batch, num_q_tiles), order, 2
   return (num_q_tiles, batch, num_heads), lambda f: f, 0
@@ -285,7 +296,7 @@ def forward_call(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
   q_ids, kv_ids, bias, dense_mask, mod_operands = split_extras(config, extras)
   num_q_tiles = pl.cdiv(q_seq, block_q)
   grid, order, q_tile_axis = query_tile_grid(
-      num_q_tiles, batch, num_heads, config.is_causal)
+      num_q_tiles, batch, num_heads, config.is_causal, kv_seq)
   kernel = functools.partial(
       forward_kernel, mask=config.mask, scale=config.scale,
       soft_cap=config.logits_soft_cap, block_q=block_q,
