@@ -34,6 +34,10 @@ CASES = [
     (2, 1024, 1024, 4, 4, 128, "bfloat16", True),
     (1, 2000, 1999, 4, 2, 128, "bfloat16", True),
     (1, 1500, 1800, 4, 4, 96, "float16", True),
+    # Causal calls with >= 16384 keys launch tile-major
+    # (forward.CAUSAL_TILE_MAJOR_KV_LEN); D=256 with its 64-row dQ tiles.
+    (1, 16400, 16400, 2, 1, 128, "bfloat16", True),
+    (2, 1000, 1000, 4, 2, 256, "bfloat16", False),
 ]
 
 
