@@ -1,4 +1,4 @@
-"""jflash: FlashAttention for JAX, as Pallas-Triton GPU kernels.
+"""jflash: FlashAttention for JAX, as Pallas GPU kernels.
 
     import jflash
     out = jflash.flash_attention(q, k, v, is_causal=True)
@@ -6,12 +6,14 @@
 
 from jflash._src import deprecation as _deprecation
 from jflash._src.api import flash_attention
-from jflash._src.autotune import autotune
-from jflash._src.block_sizes import BlockSizes
-from jflash._src.block_sizes import default_block_sizes
+from jflash._src.api import implementations
+from jflash._src.backends.triton.block_sizes import BlockSizes
+from jflash._src.backends.triton.block_sizes import default_block_sizes
+from jflash._src.tuning.autotune import autotune
 
 _deprecation.silence_triton_deprecation()
 
 __version__ = "0.1.0"
 __all__ = [
-    "BlockSizes", "autotune", "default_block_sizes", "flash_attention"]
+    "BlockSizes", "autotune", "default_block_sizes", "flash_attention",
+    "implementations"]

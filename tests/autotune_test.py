@@ -10,8 +10,9 @@ import jax.numpy as jnp
 
 import jflash
 from jflash._src import api
-from jflash._src import autotune
-from jflash._src import kernel_vjp
+from jflash._src import registry
+from jflash._src.backends.triton import backend as triton_backend
+from jflash._src.tuning import cache
 from tests import test_util
 
 FORWARD = [(16, 16, 4, 1), (32, 16, 4, 1)]
@@ -47,13 +48,17 @@ class AutotuneTest(absltest.TestCase):
     self.assertGreater(entry["forward_ms"], 0.0)
 
     # Called without block_sizes, flash_attention now runs the tuned tiles.
-    with mock.patch.dict(os.environ, {autotune.CACHE_ENV_VAR: self.path}), \
-        mock.patch.object(kernel_vjp, "flash_attention_kernels",
-                          wraps=kernel_vjp.flash_attention_kernels) as spy:
+    plans = []
+    record = lambda *args: plans.append(real_plan(*args)) or plans[-1]
+    real_plan = registry.plan
+    with mock.patch.dict(os.environ, {cache.CACHE_ENV_VAR: self.path}), \
+        mock.patch.object(registry, "plan", record):
       jflash.flash_attention(*self.inputs, is_causal=True,
                              interpret=self.INTERPRET)
-    config = spy.call_args.args[-1]
-    self.assertEqual(config.block_sizes, best)
+    (plan,) = plans
+    self.assertEqual(plan.forward, "triton")
+    self.assertEqual(plan.forward_config.block_sizes, best)
+    self.assertEqual(plan.backward_config.block_sizes, best)
 
   def test_wrong_candidates_are_rejected(self):
     real = api.flash_attention
@@ -71,9 +76,9 @@ class AutotuneTest(absltest.TestCase):
         self._tune(forward=[(32, 16, 4, 1)])
 
   def test_cache_can_be_disabled(self):
-    with mock.patch.dict(os.environ, {autotune.CACHE_ENV_VAR: "off"}):
-      self.assertIsNone(autotune.cache_path())
-      self.assertIsNone(autotune.tuned_block_sizes(
+    with mock.patch.dict(os.environ, {cache.CACHE_ENV_VAR: "off"}):
+      self.assertIsNone(cache.cache_path())
+      self.assertIsNone(triton_backend.tuned_block_sizes(
           q_len=40, kv_len=40, num_heads=2, num_kv_heads=1, head_dim=32,
           dtype=jnp.float32, is_causal=True, device_kind="cpu"))
 

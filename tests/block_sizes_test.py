@@ -5,7 +5,7 @@ from absl.testing import parameterized
 import jax.numpy as jnp
 
 import jflash
-from jflash._src import block_sizes
+from jflash._src.backends.triton import block_sizes
 
 
 class BlockSizesTest(parameterized.TestCase):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
-from jflash._src import forward
+from jflash._src.backends.triton import forward
 from tests import test_util
 
 Q_LEN, KV_LEN, HEADS, KV_HEADS = 40, 56, 4, 2

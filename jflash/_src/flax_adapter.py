@@ -20,7 +20,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from jflash._src import api
-from jflash._src.block_sizes import BlockSizes
+from jflash._src.api import BlockSizes
 
 
 def decode_step_masking(local_window_size) -> dict[str, Any]:

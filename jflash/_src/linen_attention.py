@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jflash._src import flax_adapter
-from jflash._src.block_sizes import BlockSizes
+from jflash._src.api import BlockSizes
 
 
 class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):

@@ -17,72 +17,27 @@ backward kernels can never disagree about what is masked.
 Segments (`MaskSpec.has_segments`) cannot be bounded from a few scalars like
 the other masks: the host computes, per tile, the range of tiles of the other
 axis that its segment ids can meet (`segment_tile_ranges`, plain XLA), the
-kernels read it (`SegmentRefs`) and intersect it with the causal, window and
-length bounds. Every visited tile is then masked element-wise, as it is with
-a dense mask (whose tiles are read, never used to skip work).
+kernels read it and intersect it with the causal, window and length bounds.
+Every visited tile is then masked element-wise, as it is with a dense mask
+(whose tiles are read, never used to skip work).
 
-All bounds are computed inside kernels from traced `int32` scalars, so they
-use `lax.div` and `jnp.minimum` rather than Python arithmetic.
+Bounds are Python ints where everything they depend on is static, else
+traced `int32` scalars (`lax.div` and `jnp.minimum` rather than Python
+arithmetic). This module imports no Pallas backend: kernels pass in what
+they read from memory (lengths, a segment range reader).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Callable
 
 import jax
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-
-@dataclasses.dataclass(frozen=True)
-class MaskSpec:
-  """Static part of the mask.
-
-  Attributes:
-    is_causal: top-left causal mask.
-    bottom_right: causal alignment (with is_causal): False for top-left
-      (query row r sees keys c <= r, jax.nn's convention), True for
-      bottom-right (c <= r + kv_len - q_len, FlashAttention's and KV-cache
-      prefill's convention; rows with r + kv_len - q_len < 0 see nothing).
-    window: (left, right) local window, as jax.nn's local_window_size: row r
-      sees keys r + offset - left <= c <= r + offset + right (offset as for
-      the causal mask). None: no window.
-    has_lengths: whether per-batch lengths were given. Without them the
-      lengths are the static array lengths, and every loop bound that does not
-      depend on the program id is a compile-time constant (Triton pipelines
-      constant-trip-count loops best).
-    has_segments: whether segment ids were given (packed sequences): row r
-      sees column c only if their ids are equal. The kernels then take four
-      more inputs (see `SegmentRefs`), visit only the tiles whose segments
-      can meet and mask every visited tile element-wise.
-    has_dense_mask: whether a dense boolean mask was given; every visited
-      tile is then masked element-wise with its tile of the mask.
-  """
-
-  is_causal: bool
-  has_lengths: bool = True
-  bottom_right: bool = False
-  window: tuple[int, int] | None = None
-  has_segments: bool = False
-  has_dense_mask: bool = False
-
-
-def load_lengths(mask: MaskSpec, q_len_ref, kv_len_ref, q_seq: int,
-                 kv_seq: int):
-  """(q_len, kv_len) of this program's batch element (grid axis 1).
-
-  The array lengths `q_seq`, `kv_seq` as Python ints when the call has no
-  lengths, else traced int32 scalars read from the length arrays.
-  """
-  if not mask.has_lengths:
-    return q_seq, kv_seq
-  batch_index = pl.program_id(1)
-  return (plgpu.load(q_len_ref.at[batch_index]),
-          plgpu.load(kv_len_ref.at[batch_index]))
+from jflash._src.spec import MaskSpec
 
 
 # Bound arithmetic that stays in Python while every operand is static.
@@ -174,8 +129,8 @@ class BlockRange:
   stop: jax.Array
   masked_first: bool = False
 
-  def segments(self):
-    """[(lo, hi, needs_mask)] in visiting order."""
+  def runs(self):
+    """[(lo, hi, needs_mask)]: the runs of tiles, in visiting order."""
     return [(self.start, self.split, self.masked_first),
             (self.split, self.stop, not self.masked_first)]
 
@@ -295,8 +250,8 @@ class WindowedRange:
   full_end: jax.Array
   stop: jax.Array
 
-  def segments(self):
-    """[(lo, hi, needs_mask)] in visiting order."""
+  def runs(self):
+    """[(lo, hi, needs_mask)]: the runs of tiles, in visiting order."""
     return [(self.start, self.full_start, True),
             (self.full_start, self.full_end, False),
             (self.full_end, self.stop, True)]
@@ -364,13 +319,18 @@ def query_blocks_windowed(mask: MaskSpec, k_start, block_k: int,
       size=block_q, empty=k_start >= kv_len)
 
 
+# A kernel's reader of the host's segment tile ranges: tile index -> (first,
+# stop) of the other axis's tiles its segments can meet (traced int32).
+SegmentRange = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+
+
 def key_blocks(mask: MaskSpec, q_start, block_q: int, block_k: int, q_len,
-               kv_len, offset=0, segments: SegmentRefs | None = None):
+               kv_len, offset=0, segment_range: SegmentRange | None = None):
   """Key tiles of a query tile (forward and dQ kernels).
 
   A BlockRange, or a WindowedRange with a local window; with segments, a
-  MaskedRange: those tiles intersected with the tiles the segments can
-  meet, all masked; with a dense mask, a MaskedRange of the same tiles.
+  MaskedRange: those tiles intersected with `segment_range(query tile)`,
+  all masked; with a dense mask, a MaskedRange of the same tiles.
   """
   if mask.window is None:
     blocks = key_blocks_for_query_block(mask, q_start, block_q, block_k,
@@ -379,14 +339,16 @@ def key_blocks(mask: MaskSpec, q_start, block_q: int, block_k: int, q_len,
     blocks = key_blocks_windowed(mask, q_start, block_q, block_k, q_len,
                                  kv_len, offset)
   if mask.has_segments:
-    blocks = _restrict_to_segments(blocks, segments, _div(q_start, block_q))
+    blocks = _restrict_to_segments(blocks, segment_range,
+                                   _div(q_start, block_q))
   elif mask.has_dense_mask:
     blocks = _all_masked(blocks)
   return blocks
 
 
 def query_blocks(mask: MaskSpec, k_start, block_k: int, block_q: int, q_len,
-                 kv_len, offset=0, segments: SegmentRefs | None = None):
+                 kv_len, offset=0,
+                 segment_range: SegmentRange | None = None):
   """Query tiles of a key tile (dK/dV kernel); as `key_blocks`."""
   if mask.window is None:
     blocks = query_blocks_for_key_block(mask, k_start, block_k, block_q,
@@ -395,7 +357,8 @@ def query_blocks(mask: MaskSpec, k_start, block_k: int, block_q: int, q_len,
     blocks = query_blocks_windowed(mask, k_start, block_k, block_q, q_len,
                                    kv_len, offset)
   if mask.has_segments:
-    blocks = _restrict_to_segments(blocks, segments, _div(k_start, block_k))
+    blocks = _restrict_to_segments(blocks, segment_range,
+                                   _div(k_start, block_k))
   elif mask.has_dense_mask:
     blocks = _all_masked(blocks)
   return blocks
@@ -406,67 +369,9 @@ def query_blocks(mask: MaskSpec, k_start, block_k: int, block_q: int, q_len,
 # Host side: per tile of one axis, the contiguous range of tiles of the other
 # axis whose segment ids can equal one of its own (`segment_tile_ranges`),
 # passed to the kernels as two int32 [batch, num_tiles] arrays next to the
-# ids themselves. Kernel side: `SegmentRefs` reads them, `key_blocks` /
+# ids themselves. Kernel side: a `SegmentRange` reads them, `key_blocks` /
 # `query_blocks` intersect the range with the other masks' bounds, and
 # `visible` compares the ids element-wise in every visited tile.
-
-
-@dataclasses.dataclass(frozen=True)
-class SegmentRefs:
-  """A kernel's segment inputs, for its batch element.
-
-  Attributes:
-    q_ids: int32 [q_seq], the query rows' segment ids.
-    kv_ids: int32 [kv_seq], the keys' segment ids.
-    first: int32 [num_tiles]: per tile of the axis the kernel's programs
-      own (query tiles for the forward and dQ kernels, key tiles for dK/dV),
-      the first tile of the other axis that its segments can meet.
-    stop: int32 [num_tiles]: one past the last such tile (<= first: none).
-  """
-
-  q_ids: Any
-  kv_ids: Any
-  first: Any
-  stop: Any
-
-  def tile_range(self, tile_index):
-    """(first, stop) of the program's own tile, traced int32 scalars."""
-    return (plgpu.load(self.first.at[tile_index]),
-            plgpu.load(self.stop.at[tile_index]))
-
-
-def split_refs(mask: MaskSpec, has_bias: bool, refs, *,
-               segment_ranges: bool = True):
-  """A kernel's optional inputs, then its outputs, from its trailing refs.
-
-  After a kernel's fixed inputs come, each only when present and in this
-  order: the segment inputs (`SegmentRefs` order; without the two ranges
-  when `segment_ranges` is False), the bias, the dense mask; then the
-  outputs. Returns (SegmentRefs or None, bias ref or None, mask ref or None,
-  output refs).
-  """
-  segments = bias = dense = None
-  if mask.has_segments:
-    count = 4 if segment_ranges else 2
-    segments = SegmentRefs(*refs[:count], *([None] * (4 - count)))
-    refs = refs[count:]
-  if has_bias:
-    bias, refs = refs[0], refs[1:]
-  if mask.has_dense_mask:
-    dense, refs = refs[0], refs[1:]
-  return segments, bias, dense, refs
-
-
-def load_ids(ref, start, size: int, batch_index=None):
-  """Segment ids of positions [start, start + size) of an int32 [seq] ref.
-
-  Positions past the array read -1; they are masked by the lengths anyway
-  (columns) or never stored (rows). `batch_index`: for [batch, seq] refs.
-  """
-  positions = start + jnp.arange(size, dtype=jnp.int32)
-  idx = pl.ds(start, size)
-  idx = idx if batch_index is None else (batch_index, idx)
-  return plgpu.load(ref.at[idx], mask=positions < ref.shape[-1], other=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,23 +381,23 @@ class MaskedRange:
   start: jax.Array
   stop: jax.Array
 
-  def segments(self):
-    """[(lo, hi, needs_mask)] in visiting order."""
+  def runs(self):
+    """[(lo, hi, needs_mask)]: the runs of tiles, in visiting order."""
     return [(self.start, self.stop, True)]
 
 
-def _restrict_to_segments(blocks, segments: SegmentRefs,
+def _restrict_to_segments(blocks, segment_range: SegmentRange,
                           tile_index) -> MaskedRange:
   """Intersects a range's tiles with the tiles the segments can meet.
 
-  Every range above visits one contiguous run of tiles (its segments are
+  Every range above visits one contiguous run of tiles (its runs are
   adjacent), so the intersection is one run too. The segment bounds are
   traced, so all bounds become traced int32 (see `_block_range`).
   """
-  parts = blocks.segments()
+  parts = blocks.runs()
   start = jnp.asarray(parts[0][0], jnp.int32)
   stop = jnp.asarray(parts[-1][1], jnp.int32)
-  first, last = segments.tile_range(tile_index)
+  first, last = segment_range(tile_index)
   start = jnp.maximum(start, first)
   return MaskedRange(start=start,
                      stop=jnp.maximum(jnp.minimum(stop, last), start))
@@ -500,7 +405,7 @@ def _restrict_to_segments(blocks, segments: SegmentRefs,
 
 def _all_masked(blocks) -> MaskedRange:
   """The same run of tiles, all masked (bounds all static or all traced)."""
-  parts = blocks.segments()
+  parts = blocks.runs()
   start, stop = parts[0][0], parts[-1][1]
   if not _static(start, stop):
     start, stop = (jnp.asarray(x, jnp.int32) for x in (start, stop))
@@ -520,7 +425,7 @@ def _tile_extrema(ids, lengths, block: int):
     a valid position.
   """
   batch, seq = ids.shape
-  num_tiles = pl.cdiv(seq, block)
+  num_tiles = -(-seq // block)
   info = jnp.iinfo(jnp.int32)
   valid = jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
   padding = ((0, 0), (0, num_tiles * block - seq))
@@ -587,14 +492,3 @@ def segment_tile_ranges(ids, lengths, block: int, other_ids, other_lengths,
       search("right")(lax.cummin(other_lo, axis=1, reverse=True), hi))
   first = first.astype(jnp.int32)
   return first, jnp.maximum(stop.astype(jnp.int32), first)
-
-
-def segment_specs(q_seq: int, kv_seq: int, num_tiles: int,
-                  order=lambda f: f):
-  """BlockSpecs of the segment inputs, for grids (tile, batch, head).
-
-  `order`: as `forward.query_tile_grid`'s, for grids in another axis order.
-  """
-  row = lambda size: pl.BlockSpec((None, size),
-                                  order(lambda i, b, h: (b, 0)))
-  return [row(q_seq), row(kv_seq), row(num_tiles), row(num_tiles)]

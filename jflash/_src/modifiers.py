@@ -1,12 +1,14 @@
-"""Per-head score modifiers, shared by the forward and backward kernels.
+"""Per-head score modifiers: the math, shared by every backend.
 
-Options that change the softmax but not which keys are visible:
+Options that change the softmax but not which keys are visible
+(`spec.ModifierSpec` says which are on):
 
 - attention sinks (`sinks`, one natural-log logit per query head): an extra
   term exp(sink) in every row's softmax denominator, with no value vector.
-  The forward starts each row's online softmax from it (row max = the sink,
-  row sum = 1), so the stored lse includes it and the backward's recomputed
-  probabilities need nothing more; only the forward reads the sinks.
+  A forward pass starts each row's online softmax from it (row max = the
+  sink, row sum = 1), so the stored lse includes it and the backward's
+  recomputed probabilities need nothing more; only the forward reads the
+  sinks. Their gradient comes from the lse and delta (`sinks_gradient`).
 - ALiBi (`alibi_slopes`, one slope per (batch,) head): every logit gets the
   bias -slope * |t + offset - s| (natural-log units), offset being the
   causal alignment's (`masks.causal_offset`: 0 top-left, kv_len - q_len
@@ -19,127 +21,38 @@ Options that change the softmax but not which keys are visible:
   forward and both backward kernels regenerate the same mask.
 
 Each modifier is off by default and then adds no operand and no operation to
-any kernel (the default kernels' jaxprs are unchanged). Per-head operands
-reach the kernels as float32 [batch, num_heads] arrays (batch axis first, as
-`kernel_vjp.fold_vmap_into_batch` requires); a program reads its head's entry.
+any kernel. How a kernel loads a head's scalars is the backend's business;
+`HeadModifiers` takes them loaded. This module imports no Pallas backend.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, NamedTuple
-
 import jax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from jflash._src import dropout
-from jflash._src import tiles
-
-
-class Operands(NamedTuple):
-  """The modifiers' arrays (None when off), batch axis first.
-
-  Attributes:
-    sinks: float32 [batch, num_heads], natural-log sink logits.
-    slopes: float32 [batch, num_heads], ALiBi slopes.
-    seeds: uint32 [batch, num_heads, 2], dropout seeds (dropout.seeds).
-  """
-
-  sinks: jax.Array | None = None
-  slopes: jax.Array | None = None
-  seeds: jax.Array | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ModifierSpec:
-  """Static part of the modifiers: which are on.
-
-  Attributes:
-    has_sinks: per-head attention sinks (forward kernel only).
-    has_alibi: ALiBi position bias (all kernels).
-    dropout_rate: attention dropout rate in [0, 1) (all kernels); 0: none.
-  """
-
-  has_sinks: bool = False
-  has_alibi: bool = False
-  dropout_rate: float = 0.0
-
-  def for_backward(self) -> ModifierSpec:
-    """The modifiers the backward kernels see (sinks live in the lse)."""
-    return dataclasses.replace(self, has_sinks=False)
-
-  @property
-  def has_dropout(self) -> bool:
-    return self.dropout_rate > 0.0
-
-  @property
-  def num_operands(self) -> int:
-    return len(self.select(Operands(*([None] * len(Operands._fields)))))
-
-  @property
-  def uses_positions(self) -> bool:
-    """Whether tiles need their column positions even where unmasked."""
-    return self.has_alibi or self.has_dropout
-
-  def select(self, operands: Operands) -> list[jax.Array | None]:
-    """The kernel operands of these modifiers, in kernel order.
-
-    All are [batch, num_heads]; the dropout seeds go as two uint32 arrays
-    (a scalar load with a constant index on a trailing axis does not
-    discharge in the interpreter).
-    """
-    result = []
-    if self.has_sinks:
-      result.append(operands.sinks)
-    if self.has_alibi:
-      result.append(operands.slopes)
-    if self.has_dropout:
-      seeds = operands.seeds
-      result += [None, None] if seeds is None else [seeds[..., 0],
-                                                    seeds[..., 1]]
-    return result
-
-  def operand_specs(self, num_heads: int,
-                    order=lambda f: f) -> list[pl.BlockSpec]:
-    """BlockSpecs of the operands: each program gets its batch row.
-
-    Every jflash grid has the batch on axis 1; `order` adapts an index map
-    written for (tile, batch, head) grids (`forward.query_tile_grid`).
-    """
-    return [pl.BlockSpec((None, num_heads), order(lambda i, b, h: (b, 0)))
-            for _ in range(self.num_operands)]
+from jflash._src import numerics
+from jflash._src.spec import ModifierSpec
 
 
 class HeadModifiers:
   """The modifiers of one query head, as a kernel program sees them.
 
-  Built once per head (before the loop over tiles), so per-head scalars are
-  loaded from memory once.
+  Built once per head (before the loop over tiles) from the head's scalars.
   """
 
-  def __init__(self, spec: ModifierSpec, refs, head: Callable[[], jax.Array]):
-    """Loads the head's scalars.
+  def __init__(self, spec: ModifierSpec, *, sink2=None, slope2=None,
+               seeds=None):
+    """Holds the head's scalars.
 
     Args:
       spec: the static modifiers.
-      refs: the modifier operand refs, in `ModifierSpec.select` order.
-      head: returns the query head's index; only called (traced) when some
-        modifier is on, so that the default kernels are unchanged.
+      sink2: the head's sink in base 2 (times log2(e)), or None.
+      slope2: the head's ALiBi slope in base 2, or None.
+      seeds: the head's two uint32 dropout seeds, or None.
     """
-    refs = list(refs)
     self.spec = spec
-    head = head() if refs else None
-    # Both in base 2, like the kernels' logits.
-    self.sink2 = self.slope2 = self.seeds = None
-    if spec.has_sinks:
-      self.sink2 = plgpu.load(refs.pop(0).at[head]) * tiles.LOG2_E
-    if spec.has_alibi:
-      self.slope2 = plgpu.load(refs.pop(0).at[head]) * tiles.LOG2_E
-    if spec.has_dropout:
-      self.seeds = (plgpu.load(refs.pop(0).at[head]),
-                    plgpu.load(refs.pop(0).at[head]))
+    self.sink2, self.slope2, self.seeds = sink2, slope2, seeds
 
   def dropout_keep(self, rows, cols):
     """bool [block_q, block_k]: the tile's dropout keep bits."""
@@ -176,3 +89,30 @@ class HeadModifiers:
       return None
     return (jnp.full((block_q,), self.sink2, jnp.float32),
             jnp.ones((block_q,), jnp.float32))
+
+
+def sinks_gradient(sinks, lse2, delta):
+  """d loss / d sinks, float32 [batch, num_heads].
+
+  The sink enters row t only through its normalizer: with
+  p_sink = exp(sink - lse), d lse / d sink = p_sink and d p_c / d sink =
+  -p_c p_sink, so d out_t / d sink = -p_sink out_t and the row contributes
+  p_sink * (dlse_t - dO_t . O_t) = -p_sink * delta_t (delta already shifted
+  by dlse). Rows with lse2 = +-inf (padding rows, or a -inf sink and no key)
+  contribute 0.
+
+  Args:
+    sinks: float32 [batch, num_heads], natural-log.
+    lse2: float32 [batch, num_heads, q_len], the base-2 lse.
+    delta: float32 [batch, num_heads, q_len], rowsum(dO * O) - dlse.
+  """
+  p_sink = jnp.where(jnp.isinf(lse2), 0.0,
+                     jnp.exp2(sinks[..., None] * numerics.LOG2_E - lse2))
+  return -jnp.sum(p_sink * delta, axis=-1)
+
+
+def per_head(x: jax.Array | None, batch: int, num_heads: int):
+  """A per-head operand as the backends take it: float32 [batch, heads]."""
+  if x is None:
+    return None
+  return jnp.broadcast_to(x.astype(jnp.float32), (batch, num_heads))

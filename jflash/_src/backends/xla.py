@@ -1,19 +1,29 @@
-"""Pure-JAX attention with jflash's semantics: the "xla" implementation.
+"""Pure-JAX attention with jflash's semantics: the "xla" backend.
 
 It materializes the [batch, heads, q_len, kv_len] logits, so its memory is
 quadratic in the sequence length; it exists for machines without a CUDA GPU
 and as a readable statement of what the kernels compute. It differs from
 `jax.nn.dot_product_attention` in one place only: a query row that sees no
 key at all outputs 0 (jax.nn averages every value for such rows).
+
+Run alone it is plain JAX (`direct`): JAX differentiates it, to any order
+and in forward mode. It also serves either pass of a call whose other pass
+runs elsewhere, through the binding's residual format (`forward`,
+`backward`). It imports nothing from the kernel backends.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 from jflash._src import dropout
-from jflash._src import tiles
+from jflash._src import numerics
+from jflash._src import registry
+from jflash._src.spec import CallSpec
+from jflash._src.spec import Operands
 
 
 def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
@@ -101,7 +111,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   visible = visible[:, None, None]  # [batch, 1, 1, q_len, kv_len]
   if mask is not None:
     visible = jnp.logical_and(visible, grouped(mask))
-  logits = jnp.where(visible, logits, tiles.MASK_VALUE)
+  logits = jnp.where(visible, logits, numerics.MASK_VALUE)
   row_max = jnp.max(logits, axis=-1, keepdims=True)
   if sinks is not None:
     # [batch, num_heads] -> [batch, kv_heads, group, 1, 1], like the logits.
@@ -128,3 +138,79 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   # [batch, kv_heads, group, q_len, 1] -> [batch, q_len, num_heads].
   lse = jnp.moveaxis(lse[..., 0], -1, 1).reshape(batch, q_seq, num_heads)
   return out, lse
+
+
+def direct(spec: CallSpec, config, operands: Operands):
+  """The whole call in plain JAX: out, or (out, natural lse [B, T, N])."""
+  del config
+  q_lens, kv_lens = operands.lengths()
+  ids = operands.q_segment_ids
+  return attention_reference(
+      operands.query, operands.key, operands.value, q_lens, kv_lens,
+      scale=spec.scale, is_causal=spec.mask.is_causal,
+      bottom_right=spec.mask.bottom_right,
+      logits_soft_cap=spec.logits_soft_cap, window=spec.mask.window,
+      segment_ids=None if ids is None else (ids, operands.kv_segment_ids),
+      bias=operands.bias, mask=operands.mask, sinks=operands.sinks,
+      alibi_slopes=operands.alibi_slopes,
+      dropout_rate=spec.modifiers.dropout_rate,
+      dropout_seeds=operands.dropout_seeds, return_lse=spec.return_lse)
+
+
+def _with_lse(spec: CallSpec) -> CallSpec:
+  return CallSpec(**{**spec.__dict__, "return_lse": True})
+
+
+def forward(spec: CallSpec, config, operands: Operands):
+  """(out, lse2): the residual format (numerics.py)."""
+  out, lse = direct(_with_lse(spec), config, operands)
+  lse2 = jnp.where(jnp.isinf(lse), jnp.inf, lse * (1.0 / math.log(2.0)))
+  return out, jnp.swapaxes(lse2, 1, 2)
+
+
+# Operands whose cotangent a backward returns.
+_DIFFERENTIABLE = ("query", "key", "value", "bias", "sinks")
+
+
+def backward(spec: CallSpec, config, operands: Operands, out, lse2, dout,
+             dlse=None):
+  """Cotangents by recomputing the forward and differentiating it.
+
+  `dlse`: the natural lse's cotangent as `numerics.natural_lse_cotangent`
+  gives it ([B, N, T]), or None.
+  """
+  del out, lse2
+  present = {name: getattr(operands, name) for name in _DIFFERENTIABLE
+             if getattr(operands, name) is not None}
+
+  def fn(arrays):
+    return direct(_with_lse(spec), config, operands.replace(**arrays))
+
+  _, vjp = jax.vjp(fn, present)
+  dlse = (jnp.zeros(dout.shape[:3], jnp.float32) if dlse is None
+          else jnp.swapaxes(dlse, 1, 2))
+  (cotangents,) = vjp((dout, dlse))
+  return Operands(**{name: cotangents.get(name) for name in
+                     ("query", "key", "value")},
+                  bias=cotangents.get("bias"), sinks=cotangents.get("sinks"))
+
+
+BACKEND = registry.Backend(
+    name="xla",
+    capabilities=registry.Capabilities(
+        passes=frozenset(registry.PASSES),
+        dtypes=("float32", "bfloat16", "float16"),
+        max_head_dim=None,
+        mask_features=frozenset(registry.MASK_FEATURES),
+        options=frozenset(registry.OPTIONS),
+        platforms=None,
+        # Quadratic memory: on a CUDA GPU it runs only when named.
+        named_only_on=frozenset({"cuda"}),
+    ),
+    option_names=frozenset(),
+    configure=lambda spec, options: None,
+    forward=forward,
+    backward=backward,
+    differentiable=True,
+    direct=direct,
+)

@@ -1,4 +1,4 @@
-"""Building blocks shared by the kernels: tile loads and stores, the matmul.
+"""Building blocks of the Triton kernels: tile loads and stores, the matmul.
 
 Kernels see refs laid out as [seq_len, head_dim_padded] (or with a head-group
 axis in the middle, [seq_len, group, head_dim_padded], for the dK/dV kernel).
@@ -11,22 +11,11 @@ inputs in HBM.
 
 from __future__ import annotations
 
-import math
-
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
-
-LOG2_E = math.log2(math.e)
-
-# Logits of masked entries. Finite on purpose: with -inf, a row whose tile is
-# entirely masked would compute exp2(-inf - (-inf)) = NaN in the online-softmax
-# correction. Any finite logit is far above this, so exp2(MASK_VALUE - m) is
-# exactly 0 once the row has seen one visible key; kernels additionally zero
-# masked probabilities explicitly, so rows with no visible key stay exact too.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _index(start, size: int, group_index, batch_index=None):
@@ -102,21 +91,6 @@ def store_row_stats(ref, start, value, *, seq_len: int):
   plgpu.store(ref.at[pl.ds(start, value.shape[0])], value, mask=rows < seq_len)
 
 
-def logits_base2(scores: jax.Array, *, scale: float,
-                 soft_cap: float | None):
-  """Base-2 logits of a tile of raw scores q.k (fp32).
-
-  Without a cap: scale * log2(e) * scores. With `soft_cap`: the natural-unit
-  logit is soft_cap * tanh(scale * scores / soft_cap) (Gemma 2's capping),
-  also times log2(e). Returns (logits, tanh) where tanh is None without a
-  cap; the backward needs it for d(logit)/d(score) = scale * (1 - tanh^2).
-  """
-  if soft_cap is None:
-    return scores * (scale * LOG2_E), None
-  capped = jnp.tanh(scores * (scale / soft_cap))
-  return capped * (soft_cap * LOG2_E), capped
-
-
 def matmul(a: jax.Array, b: jax.Array, *, trans_a: bool = False,
            trans_b: bool = False) -> jax.Array:
   """fp32-accumulated tile product.
@@ -127,3 +101,12 @@ def matmul(a: jax.Array, b: jax.Array, *, trans_a: bool = False,
   """
   precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+
+
+def head_dim_padded(head_dim: int) -> int:
+  """The head dimension of the kernels' tiles: a power of two, >= 16.
+
+  Triton tiles must be powers of two; the padding columns are masked on
+  every load and store (never read from or written to memory).
+  """
+  return max(16, pl.next_power_of_2(head_dim))

@@ -5,18 +5,15 @@ device in two phases (forward tiles timed forward-only, then backward tiles
 timed as forward+backward with the chosen forward tiles), rejects every
 candidate that fails to compile or whose result disagrees with the reference,
 and stores the winner in a JSON file keyed by device kind and shape.
-`flash_attention` consults that file whenever it is called without
-`block_sizes`, so a shape tuned once stays tuned (see `tuned_block_sizes`).
-
-Cache file: `$JFLASH_AUTOTUNE_CACHE` if set (the value "off" disables the
-cache), else `~/.cache/jflash/autotune.json`.
+The Triton backend consults that file whenever a call comes without
+`block_sizes`, so a shape tuned once stays tuned (tuning/cache.py). This
+module calls the public function; nothing in jflash imports it but
+`jflash.autotune` itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import statistics
 import time
 from typing import Any, Sequence
@@ -25,12 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jflash._src import api
 from jflash._src import platform
-from jflash._src.block_sizes import BlockSizes
-from jflash._src.block_sizes import default_block_sizes
-
-CACHE_ENV_VAR = "JFLASH_AUTOTUNE_CACHE"
-_DEFAULT_CACHE = os.path.join("~", ".cache", "jflash", "autotune.json")
+from jflash._src.backends.triton.block_sizes import BlockSizes
+from jflash._src.backends.triton.block_sizes import default_block_sizes
+from jflash._src.tuning import cache
 
 # (block_q, block_k, num_warps, num_stages) of the forward kernel.
 FORWARD_CANDIDATES = (
@@ -48,58 +44,6 @@ BACKWARD_CANDIDATES = (
 # against the float32 reference, per input dtype. Loose enough for 16-bit
 # rounding, far below what a wrong tile loop produces (order 1).
 _MAX_RELATIVE_ERROR = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
-
-
-def cache_path() -> str | None:
-  """The autotune cache file, or None when disabled."""
-  path = os.environ.get(CACHE_ENV_VAR, "").strip()
-  if path.lower() == "off":
-    return None
-  return os.path.expanduser(path or _DEFAULT_CACHE)
-
-
-def shape_key(*, q_len: int, kv_len: int, num_heads: int, num_kv_heads: int,
-              head_dim: int, dtype: Any, is_causal: bool,
-              device_kind: str) -> str:
-  """The cache key of one problem shape on one kind of device."""
-  return (f"{device_kind}|{jnp.dtype(dtype).name}|T={q_len}|S={kv_len}|"
-          f"N={num_heads}|K={num_kv_heads}|D={head_dim}|causal={is_causal}")
-
-
-_read_memo: dict[str, tuple[float, dict[str, Any]]] = {}
-
-
-def _read(path: str | None) -> dict[str, Any]:
-  """The cache file's entries (re-read only when the file changed)."""
-  if path is None or not os.path.exists(path):
-    return {}
-  mtime = os.path.getmtime(path)
-  memo = _read_memo.get(path)
-  if memo is None or memo[0] != mtime:
-    with open(path) as f:
-      memo = (mtime, json.load(f))
-    _read_memo[path] = memo
-  return memo[1]
-
-
-def tuned_block_sizes(path: str | None = None, **shape: Any
-                      ) -> BlockSizes | None:
-  """The cached winner for a shape (arguments as `shape_key`), if any."""
-  path = cache_path() if path is None else path
-  entry = _read(path).get(shape_key(**shape))
-  if entry is None:
-    return None
-  return BlockSizes(**entry["block_sizes"])
-
-
-def _store(path: str, key: str, entry: dict[str, Any]) -> None:
-  entries = _read(path)
-  entries[key] = entry
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  temporary = f"{path}.tmp{os.getpid()}"
-  with open(temporary, "w") as f:
-    json.dump(entries, f, indent=1, sort_keys=True)
-  os.replace(temporary, path)  # Atomic: readers never see a partial file.
 
 
 def _relative_error(values, references) -> float:
@@ -155,7 +99,7 @@ def autotune(
       machines without a GPU; the timings then mean nothing).
     repeats: timed repeats per candidate (the median counts).
     iters: calls per timed repeat.
-    path: cache file; default `cache_path()`. None and caching disabled:
+    path: cache file; default `cache.cache_path()`. None and caching disabled:
       nothing is written.
     verbose: print each candidate's time or the reason it was rejected.
 
@@ -166,9 +110,6 @@ def autotune(
     ValueError: if the inputs are not 4-D, or if every candidate of a phase
       is rejected.
   """
-  # Imported here: api imports this module for the cache lookup.
-  from jflash._src import api  # pylint: disable=g-import-not-at-top
-
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   if query.ndim != 4 or key.ndim != 4 or key.shape != value.shape:
     raise ValueError(
@@ -227,7 +168,8 @@ def autotune(
       results.append((seconds, sizes))
     if not results:
       raise ValueError("jflash.autotune: every candidate was rejected for "
-                       f"{shape_key(**shape)}; rerun with verbose=True.")
+                       f"{cache.shape_key(**shape)}; rerun with "
+                       "verbose=True.")
     return min(results, key=lambda r: r[0])
 
   forward = [
@@ -241,9 +183,9 @@ def autotune(
       for a, b, c, d, w, s in backward_candidates or BACKWARD_CANDIDATES]
   total_seconds, best = best_of(backward, backward_step, 4)
 
-  path = cache_path() if path is None else path
+  path = cache.cache_path() if path is None else path
   if path is not None:
-    _store(path, shape_key(**shape), {
+    cache.store(path, cache.shape_key(**shape), {
         "block_sizes": dataclasses.asdict(best),
         "forward_ms": forward_seconds * 1e3,
         "forward_backward_ms": total_seconds * 1e3,

@@ -28,7 +28,6 @@ sinks and dropout are the per-head modifiers of modifiers.py.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -37,91 +36,43 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from jflash._src import dense
 from jflash._src import masks
-from jflash._src import modifiers
-from jflash._src import tiles
-from jflash._src.block_sizes import BlockSizes
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-  """Static configuration of one attention call, shared by all kernels."""
-
-  scale: float
-  is_causal: bool
-  block_sizes: BlockSizes
-  interpret: bool = False
-  has_lengths: bool = True
-  bottom_right: bool = False
-  logits_soft_cap: float | None = None
-  window: tuple[int, int] | None = None
-  has_segments: bool = False
-  has_bias: bool = False
-  has_dense_mask: bool = False
-  modifiers: modifiers.ModifierSpec = modifiers.ModifierSpec()
-
-  @property
-  def mask(self) -> masks.MaskSpec:
-    return masks.MaskSpec(is_causal=self.is_causal,
-                          has_lengths=self.has_lengths,
-                          bottom_right=self.bottom_right, window=self.window,
-                          has_segments=self.has_segments,
-                          has_dense_mask=self.has_dense_mask)
-
-
-def split_extras(config: KernelConfig, extras, modifiers_spec=None):
-  """(q_ids, kv_ids, bias, dense_mask, modifier operands) from the optional
-  operands.
-
-  The kernels' host wrappers take them positionally after the lengths, each
-  only when the config says it is present, in this order, and then the
-  operands of `modifiers_spec` (default: `config.modifiers`); absent ones
-  come back as None.
-  """
-  modifiers_spec = modifiers_spec or config.modifiers
-  extras = list(extras)
-  take = lambda present: extras.pop(0) if present else None
-  q_ids, kv_ids = take(config.has_segments), take(config.has_segments)
-  bias, dense_mask = take(config.has_bias), take(config.has_dense_mask)
-  if len(extras) != modifiers_spec.num_operands:
-    raise ValueError(f"{len(extras)} modifier operands, expected "
-                     f"{modifiers_spec.num_operands}.")
-  return q_ids, kv_ids, bias, dense_mask, extras
-
-
-def head_dim_padded(head_dim: int) -> int:
-  return max(16, pl.next_power_of_2(head_dim))
+from jflash._src import numerics
+from jflash._src.backends.triton import dense
+from jflash._src.backends.triton import kernel_inputs
+from jflash._src.backends.triton import tiles
+from jflash._src.backends.triton.config import TritonConfig
+from jflash._src.backends.triton.kernel_inputs import KernelInputs
+from jflash._src.spec import CallSpec
+from jflash._src.spec import MaskSpec
+from jflash._src.spec import ModifierSpec
+from jflash._src.spec import Operands
 
 
 # FlashAttention-2 (Dao, 2023), Algorithm 1, one query tile per program.
 def forward_kernel(
-    q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,  # Inputs.
-    *refs,  # Optional mask inputs (masks.split_refs), modifier operands
-            # (modifiers.py), then the outputs o_ref, lse_ref.
-    mask: masks.MaskSpec, scale: float, soft_cap: float | None,
-    block_q: int, block_k: int, head_dim: int, has_bias: bool,
-    q_tile_axis: int = 0,
-    mods: modifiers.ModifierSpec = modifiers.ModifierSpec(),
+    refs: KernelInputs, o_ref, lse_ref, *,
+    mask: MaskSpec, scale: float, soft_cap: float | None,
+    block_q: int, block_k: int, head_dim: int, q_tile_axis: int = 0,
+    mods: ModifierSpec = ModifierSpec(),
 ):
-  segments, bias_ref, mask_ref, refs = masks.split_refs(mask, has_bias, refs)
-  *mod_refs, o_ref, lse_ref = refs
-  head_mods = modifiers.HeadModifiers(
-      mods, mod_refs, head=lambda: pl.program_id(head_axis(q_tile_axis)))
-  q_seq, kv_seq = q_ref.shape[0], k_ref.shape[0]
+  head_mods = kernel_inputs.load_head_modifiers(
+      mods, refs, head=lambda: pl.program_id(head_axis(q_tile_axis)))
+  q_seq, kv_seq = refs.q.shape[0], refs.k.shape[0]
   q_tile_index = query_tile_index(mask, q_tile_axis, q_seq, block_q)
-  q_len, kv_len = masks.load_lengths(mask, q_len_ref, kv_len_ref, q_seq,
-                                     kv_seq)
+  q_len, kv_len = kernel_inputs.load_lengths(
+      mask, refs.q_lengths, refs.kv_lengths, q_seq, kv_seq)
   offset = masks.causal_offset(mask, q_len, kv_len)
   q_start = q_tile_index * block_q
-  rows = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
+  rows = numerics.tile_rows(q_start, block_q)
 
   q = tiles.load_tile(
-      q_ref, q_start, block_q, head_dim=head_dim,
+      refs.q, q_start, block_q, head_dim=head_dim,
       seq_len=q_seq if q_seq % block_q else None)
   q_ids = None
-  if segments is not None:
-    q_ids = masks.load_ids(segments.q_ids, q_start, block_q)[:, None]
+  if refs.q_segment_ids is not None:
+    q_ids = kernel_inputs.load_ids(refs.q_segment_ids, q_start,
+                                   block_q)[:, None]
   # Logits are kept in base 2: exp(scale * x) == exp2(scale * log2(e) * x).
 
   def step(k_tile_index, carry, *, needs_mask: bool):
@@ -129,28 +80,30 @@ def forward_kernel(
     k_start = k_tile_index * block_k
     # Fully visible tiles lie below kv_len <= kv_seq: no row mask on the loads.
     seq_len = kv_seq if needs_mask else None
-    k = tiles.load_tile(k_ref, k_start, block_k, seq_len=seq_len,
+    k = tiles.load_tile(refs.k, k_start, block_k, seq_len=seq_len,
                         head_dim=head_dim)
-    v = tiles.load_tile(v_ref, k_start, block_k, seq_len=seq_len,
+    v = tiles.load_tile(refs.v, k_start, block_k, seq_len=seq_len,
                         head_dim=head_dim)
-    logits, _ = tiles.logits_base2(tiles.matmul(q, k, trans_b=True),
-                                   scale=scale, soft_cap=soft_cap)
-    if bias_ref is not None:
-      logits = logits + dense.load_bias(
-          bias_ref, q_start, block_q, k_start, block_k) * tiles.LOG2_E
-    if needs_mask or mods.uses_positions:
-      cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
-      logits = head_mods.add_bias(logits, rows, cols, offset)
+    bias = None
+    if refs.bias is not None:
+      bias = dense.load_bias(refs.bias, q_start, block_q, k_start, block_k)
+    logits, _, cols = numerics.tile_logits(
+        tiles.matmul(q, k, trans_b=True), scale=scale, soft_cap=soft_cap,
+        bias=bias, head_mods=head_mods, rows=rows, k_start=k_start,
+        block_k=block_k, offset=offset)
     if needs_mask:
+      if cols is None:
+        cols = numerics.tile_columns(k_start, block_k)
       kv_ids = tile_mask = None
-      if segments is not None:
-        kv_ids = masks.load_ids(segments.kv_ids, k_start, block_k)[None, :]
-      if mask_ref is not None:
-        tile_mask = dense.load_mask(mask_ref, q_start, block_q, k_start,
+      if refs.kv_segment_ids is not None:
+        kv_ids = kernel_inputs.load_ids(refs.kv_segment_ids, k_start,
+                                        block_k)[None, :]
+      if refs.mask is not None:
+        tile_mask = dense.load_mask(refs.mask, q_start, block_q, k_start,
                                     block_k)
       seen = masks.visible(mask, rows, cols, kv_len, offset, q_ids=q_ids,
                            kv_ids=kv_ids, dense=tile_mask)
-      logits = jnp.where(seen, logits, tiles.MASK_VALUE)
+      logits = jnp.where(seen, logits, numerics.MASK_VALUE)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
     probs = jnp.exp2(logits - new_max[:, None])
     if needs_mask:
@@ -168,15 +121,15 @@ def forward_kernel(
     return acc, new_max, row_sum
 
   blocks = masks.key_blocks(mask, q_start, block_q, block_k, q_len, kv_len,
-                            offset, segments)
+                            offset, kernel_inputs.segment_range(refs))
   carry = (
-      jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
+      jnp.zeros((block_q, refs.q.shape[-1]), jnp.float32),
       # Row max and row sum: nothing seen yet, or a sink (modifiers.py).
       *(head_mods.initial_row_stats(block_q) or (
-          jnp.full((block_q,), tiles.MASK_VALUE, jnp.float32),
+          jnp.full((block_q,), numerics.MASK_VALUE, jnp.float32),
           jnp.zeros((block_q,), jnp.float32))),
   )
-  for lo, hi, needs_mask in blocks.segments():
+  for lo, hi, needs_mask in blocks.runs():
     carry = lax.fori_loop(
         lo, hi, functools.partial(step, needs_mask=needs_mask), carry)
   acc, row_max, row_sum = carry
@@ -220,7 +173,7 @@ def query_tile_grid(num_q_tiles: int, batch: int, num_heads: int,
 
   `order(f)` adapts an index map written as f(i, b, h) to the grid's axis
   order; `q_tile_axis` is the grid axis of the query tile. The batch is axis
-  1 in both orders (`masks.load_lengths` reads it there).
+  1 in both orders (`kernel_inputs.load_lengths` reads it there).
   """
   if is_causal and kv_seq < CAUSAL_TILE_MAJOR_KV_LEN:
     order = lambda f: (lambda h, b, i: f(i, b, h))
@@ -228,7 +181,7 @@ def query_tile_grid(num_q_tiles: int, batch: int, num_heads: int,
   return (num_q_tiles, batch, num_heads), lambda f: f, 0
 
 
-def query_tile_index(mask: masks.MaskSpec, q_tile_axis: int, q_seq: int,
+def query_tile_index(mask: MaskSpec, q_tile_axis: int, q_seq: int,
                      block_q: int):
   """This program's query tile (see `query_tile_grid`): causal tiles run in
   reverse, longest first."""
@@ -238,27 +191,54 @@ def query_tile_index(mask: masks.MaskSpec, q_tile_axis: int, q_seq: int,
   return index
 
 
-def query_tile_operands(config: KernelConfig, mods, q_ids, kv_ids, bias,
-                        dense_mask, mod_operands, *, q_lens, kv_lens,
-                        block_q: int, block_k: int, q_seq: int, kv_seq: int,
-                        batch: int, num_heads: int, order):
-  """(operands, BlockSpecs) of the optional inputs of the kernels with one
-  program per query tile (forward, dQ), in `split_extras` order: segment ids
-  and each query tile's key-tile range, bias, dense mask, then the operands
-  of `mods`. `order` as `query_tile_grid`'s."""
-  inputs, specs = [], []
-  if config.has_segments:
-    inputs += [q_ids, kv_ids, *masks.segment_tile_ranges(
-        q_ids, q_lens, block_q, kv_ids, kv_lens, block_k)]
-    specs += masks.segment_specs(q_seq, kv_seq, pl.cdiv(q_seq, block_q),
-                                 order)
-  for operand in (bias, dense_mask):
+def query_tile_inputs(operands: Operands, mods: ModifierSpec, *,
+                      block_q: int, block_k: int, order, **backward_inputs
+                      ) -> tuple[KernelInputs, KernelInputs]:
+  """(arrays, BlockSpecs) of the kernels with one program per query tile.
+
+  Args:
+    operands: q, k, v, lengths (filled), and the optional operands present;
+      the mask as int8 (dense.py).
+    mods: the modifiers the kernel applies (the dQ kernel takes no sinks).
+    block_q, block_k: the kernel's tiles.
+    order: as `query_tile_grid`'s.
+    **backward_inputs: do, lse and delta, for the dQ kernel.
+  """
+  q, k = operands.query, operands.key
+  batch, q_seq, num_heads, head_dim = q.shape
+  kv_seq, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_heads // num_kv_heads
+  head_dim_p = tiles.head_dim_padded(head_dim)
+  q_spec = pl.BlockSpec((None, q_seq, None, head_dim_p),
+                        order(lambda i, b, h: (b, 0, h, 0)))
+  kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
+                         order(lambda i, b, h: (b, 0, h // group, 0)))
+  stats_spec = pl.BlockSpec((None, None, q_seq),
+                            order(lambda i, b, h: (b, h, 0)))
+  lengths_spec = pl.BlockSpec((batch,), order(lambda i, b, h: (0,)))
+  arrays = dict(q=q, k=k, v=operands.value, q_lengths=operands.q_lengths,
+                kv_lengths=operands.kv_lengths, **backward_inputs)
+  specs = dict(q=q_spec, k=kv_spec, v=kv_spec, q_lengths=lengths_spec,
+               kv_lengths=lengths_spec,
+               **{name: q_spec if name == "do" else stats_spec
+                  for name in backward_inputs})
+  if operands.q_segment_ids is not None:
+    # Per query tile, the key tiles its segments can meet.
+    segments = kernel_inputs.segment_inputs(
+        operands, block_q, block_k, own_axis="q", order=order)
+    arrays.update(segments[0])
+    specs.update(segments[1])
+  for name in ("bias", "mask"):
+    operand = getattr(operands, name)
     if operand is not None:
-      inputs.append(operand)
-      specs.append(dense.block_spec(operand, batch, order=order))
-  inputs += mod_operands
-  specs += mods.operand_specs(num_heads, order)
-  return inputs, specs
+      arrays[name] = operand
+      specs[name] = dense.block_spec(operand, batch, order=order)
+  modifier_operands = kernel_inputs.modifier_operands(
+      mods, operands.sinks, operands.alibi_slopes, operands.dropout_seeds)
+  arrays.update(modifier_operands)
+  specs.update(kernel_inputs.modifier_specs(modifier_operands, num_heads,
+                                            order))
+  return KernelInputs(**arrays), KernelInputs(**specs)
 
 
 def head_axis(q_tile_axis: int) -> int:
@@ -266,62 +246,41 @@ def head_axis(q_tile_axis: int) -> int:
   return 2 - q_tile_axis
 
 
-def forward_call(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
+def forward_call(operands: Operands, *, spec: CallSpec,
+                 config: TritonConfig):
   """Launches the forward kernel.
 
   Args:
-    q: [batch, q_len, num_heads, head_dim].
-    k: [batch, kv_len, num_kv_heads, head_dim].
-    v: [batch, kv_len, num_kv_heads, head_dim].
-    q_lens: int32 [batch], valid query rows per batch element, in [0, q_len].
-    kv_lens: int32 [batch], valid keys per batch element, in [0, kv_len].
-    *extras: the optional operands present in `config`, in this order:
-      q_ids int32 [batch, q_len] and kv_ids int32 [batch, kv_len] (segment
-      ids), bias [bias_batch, 1 or num_heads, q_len, kv_len], dense mask
-      int8 of the same form (see dense.py), then the operands of
-      `config.modifiers` in its order (modifiers.py).
-    config: static kernel configuration.
+    operands: the call's arrays, with both lengths filled and the mask as
+      int8 (see `backend.py`); shapes as `spec.Operands`.
+    spec: the call.
+    config: tiles and launch options.
 
   Returns:
     (out [batch, q_len, num_heads, head_dim] in q.dtype,
      lse2 float32 [batch, num_heads, q_len]).
   """
+  q = operands.query
   batch, q_seq, num_heads, head_dim = q.shape
-  kv_seq, num_kv_heads = k.shape[1], k.shape[2]
-  group = num_heads // num_kv_heads
+  kv_seq = operands.key.shape[1]
   block_q = config.block_sizes.block_q
   block_k = config.block_sizes.block_k
-  head_dim_p = head_dim_padded(head_dim)
-
-  q_ids, kv_ids, bias, dense_mask, mod_operands = split_extras(config, extras)
-  num_q_tiles = pl.cdiv(q_seq, block_q)
   grid, order, q_tile_axis = query_tile_grid(
-      num_q_tiles, batch, num_heads, config.is_causal, kv_seq)
+      pl.cdiv(q_seq, block_q), batch, num_heads, spec.mask.is_causal, kv_seq)
   kernel = functools.partial(
-      forward_kernel, mask=config.mask, scale=config.scale,
-      soft_cap=config.logits_soft_cap, block_q=block_q,
-      block_k=block_k, head_dim=head_dim, has_bias=config.has_bias,
-      q_tile_axis=q_tile_axis, mods=config.modifiers)
-  q_spec = pl.BlockSpec((None, q_seq, None, head_dim_p),
-                        order(lambda i, b, h: (b, 0, h, 0)))
-  kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
-                         order(lambda i, b, h: (b, 0, h // group, 0)))
-  lengths_spec = pl.BlockSpec((batch,), order(lambda i, b, h: (0,)))
-  lse_spec = pl.BlockSpec((None, None, q_seq),
-                          order(lambda i, b, h: (b, h, 0)))
-  optional, optional_specs = query_tile_operands(
-      config, config.modifiers, q_ids, kv_ids, bias, dense_mask, mod_operands,
-      q_lens=q_lens, kv_lens=kv_lens, block_q=block_q, block_k=block_k,
-      q_seq=q_seq, kv_seq=kv_seq, batch=batch, num_heads=num_heads,
-      order=order)
-  inputs = [q, k, v, q_lens, kv_lens, *optional]
-  in_specs = [q_spec, kv_spec, kv_spec, lengths_spec, lengths_spec,
-              *optional_specs]
+      forward_kernel, mask=spec.mask, scale=spec.scale,
+      soft_cap=spec.logits_soft_cap, block_q=block_q, block_k=block_k,
+      head_dim=head_dim, q_tile_axis=q_tile_axis, mods=spec.modifiers)
+  inputs, in_specs = query_tile_inputs(operands, spec.modifiers,
+                                       block_q=block_q, block_k=block_k,
+                                       order=order)
   return pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=in_specs,
-      out_specs=[q_spec, lse_spec],
+      in_specs=(in_specs,),
+      out_specs=[in_specs.q,
+                 pl.BlockSpec((None, None, q_seq),
+                              order(lambda i, b, h: (b, h, 0)))],
       out_shape=[
           jax.ShapeDtypeStruct(q.shape, q.dtype),
           jax.ShapeDtypeStruct((batch, num_heads, q_seq), jnp.float32),
@@ -331,4 +290,4 @@ def forward_call(q, k, v, q_lens, kv_lens, *extras, config: KernelConfig):
           num_stages=config.block_sizes.num_stages),
       interpret=config.interpret,
       name="jflash_forward",
-  )(*inputs)
+  )(inputs)

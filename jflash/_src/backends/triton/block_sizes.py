@@ -13,6 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jflash._src.backends.triton import tiles
+
 # Triton's matrix instructions need every tile dimension to be at least 16.
 MIN_BLOCK = 16
 MAX_BLOCK = 256
@@ -110,14 +112,11 @@ def shared_memory_limit(device_kind: str) -> int:
   return _SMALL_SHARED_MEMORY
 
 
-def _padded(head_dim: int) -> int:
-  return max(MIN_BLOCK, next_power_of_two(head_dim))
-
-
 def forward_shared_memory(block_q: int, block_k: int, num_stages: int, *,
                           head_dim: int, itemsize: int) -> int:
   """Estimate: one q tile plus `num_stages` buffered k and v tiles."""
-  return itemsize * _padded(head_dim) * (block_q + 2 * num_stages * block_k)
+  return (itemsize * tiles.head_dim_padded(head_dim)
+          * (block_q + 2 * num_stages * block_k))
 
 
 def backward_shared_memory(block_q_dkv: int, block_k_dkv: int,
@@ -130,7 +129,7 @@ def backward_shared_memory(block_q_dkv: int, block_k_dkv: int,
   """
   dkv = 2 * block_k_dkv + 2 * num_stages * block_q_dkv
   dq = 2 * block_q_dq + 2 * num_stages * block_k_dq
-  return itemsize * _padded(head_dim) * max(dkv, dq)
+  return itemsize * tiles.head_dim_padded(head_dim) * max(dkv, dq)
 
 
 # Preference lists, best first. The first entry of each 16-bit list is the

@@ -1,0 +1,1 @@
+"""The Pallas-Triton backend: everything that imports pallas.triton."""

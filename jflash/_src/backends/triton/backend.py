@@ -1,0 +1,136 @@
+"""The Triton backend: capabilities, configuration, and its two passes.
+
+The forward pass launches `forward.forward_call`; the backward pass
+`backward.delta_call`, `dkv_call`, `dq_call` (and `dbias_call` with a
+bias), recomputing probabilities from the forward's base-2 lse. Every launch
+is wrapped by `batching.fold_vmap_into_batch` (Triton grids have no room for
+a `vmap` axis). Tiles come from the user, else from the autotune cache
+(tuning/cache.py), else from `block_sizes.default_block_sizes`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+
+from jflash._src import batching
+from jflash._src import modifiers
+from jflash._src import platform
+from jflash._src import registry
+from jflash._src.backends.triton import backward as backward_kernels
+from jflash._src.backends.triton import forward as forward_kernels
+from jflash._src.backends.triton.block_sizes import BlockSizes
+from jflash._src.backends.triton.block_sizes import default_block_sizes
+from jflash._src.backends.triton.config import TritonConfig
+from jflash._src.spec import CallSpec
+from jflash._src.spec import Operands
+from jflash._src.tuning import cache
+
+CAPABILITIES = registry.Capabilities(
+    passes=frozenset(registry.PASSES),
+    dtypes=("float32", "bfloat16", "float16"),
+    max_head_dim=256,
+    mask_features=frozenset(registry.MASK_FEATURES),
+    options=frozenset(registry.OPTIONS),
+    # The dbias kernel recomputes p without the per-head modifiers.
+    unsupported_together=(
+        (registry.BACKWARD, frozenset({"bias", "alibi"}),
+         "`bias` together with `alibi_slopes` (fold ALiBi into the bias "
+         "instead)"),
+        (registry.BACKWARD, frozenset({"bias", "dropout"}),
+         "`bias` together with `dropout_rate` > 0"),
+    ),
+    platforms=frozenset({"cuda"}),
+    interpretable=True,
+)
+
+
+def tuned_block_sizes(path: str | None = None, **shape: Any
+                      ) -> BlockSizes | None:
+  """The autotuned tiles for a shape (arguments as `cache.shape_key`)."""
+  entry = cache.lookup(path, **shape)
+  return None if entry is None else BlockSizes(**entry["block_sizes"])
+
+
+def configure(spec: CallSpec, options: dict[str, Any]) -> TritonConfig:
+  """The call's tiles (user's, tuned, or default) and interpret flag."""
+  block_sizes = options.get("block_sizes")
+  if block_sizes is None:
+    shape = dict(q_len=spec.q_len, kv_len=spec.kv_len,
+                 head_dim=spec.head_dim, dtype=spec.dtype,
+                 is_causal=spec.mask.is_causal,
+                 device_kind=platform.device_kind())
+    block_sizes = (tuned_block_sizes(num_heads=spec.num_heads,
+                                     num_kv_heads=spec.num_kv_heads, **shape)
+                   or default_block_sizes(**shape))
+  return TritonConfig(block_sizes=block_sizes,
+                      interpret=bool(options.get("interpret", False)))
+
+
+def _kernel_operands(operands: Operands) -> Operands:
+  """Lengths filled in (the kernels always take them), the mask as int8
+  (the kernels read and compare bytes)."""
+  q_lens, kv_lens = operands.lengths()
+  mask = operands.mask
+  return operands.replace(
+      q_lengths=q_lens, kv_lengths=kv_lens,
+      mask=None if mask is None else mask.astype(jnp.int8))
+
+
+def _fold(spec: CallSpec):
+  """`batching.fold_vmap_into_batch` for this call's launches."""
+  return functools.partial(
+      batching.fold_vmap_into_batch,
+      vmappable=not (spec.has_bias or spec.mask.has_dense_mask),
+      unsupported=(
+          "jflash.flash_attention: vmap with a dense `bias` or `mask` is not "
+          "supported yet; put the vmapped axis into the batch axis instead."))
+
+
+def forward(spec: CallSpec, config: TritonConfig, operands: Operands):
+  """(out, lse2): the forward kernel."""
+  return _fold(spec)(functools.partial(
+      forward_kernels.forward_call, spec=spec, config=config))(
+          _kernel_operands(operands))
+
+
+def backward(spec: CallSpec, config: TritonConfig, operands: Operands, out,
+             lse2, dout, dlse=None) -> Operands:
+  """Cotangents of q, k, v (and bias, sinks) from the backward kernels.
+
+  `dlse`: the natural lse's cotangent, [B, N, T] (zero on rows without
+  keys), or None.
+  """
+  fold = _fold(spec)
+  delta = fold(functools.partial(backward_kernels.delta_call,
+                                 config=config))(out, dout)
+  if dlse is not None:
+    # d lse / d s_c = p_c, so lse's cotangent enters as a shift of delta:
+    # dS = p * (dP - delta) + p * dlse = p * (dP - (delta - dlse)).
+    delta = delta - dlse
+  kernel_operands = _kernel_operands(operands)
+  launch = lambda call: fold(functools.partial(call, spec=spec,
+                                               config=config))(
+                                                   kernel_operands, dout,
+                                                   lse2, delta)
+  dk, dv = launch(backward_kernels.dkv_call)
+  dq = launch(backward_kernels.dq_call)
+  dbias = launch(backward_kernels.dbias_call) if spec.has_bias else None
+  dsinks = None
+  if operands.sinks is not None:
+    dsinks = modifiers.sinks_gradient(operands.sinks, lse2, delta)
+  # ALiBi slopes take no gradient (api.py makes differentiating them an
+  # error); lengths, segment ids, the mask and the seeds are integers.
+  return Operands(query=dq, key=dk, value=dv, bias=dbias, sinks=dsinks)
+
+
+BACKEND = registry.Backend(
+    name="triton",
+    capabilities=CAPABILITIES,
+    option_names=frozenset({"block_sizes", "interpret"}),
+    configure=configure,
+    forward=forward,
+    backward=backward,
+)

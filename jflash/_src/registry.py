@@ -1,0 +1,302 @@
+"""The backends, what each supports (as data), and the choice per pass.
+
+A backend is registered as a `Backend`: a name, its `Capabilities`, the
+options it accepts, a function that turns a call and the user's options into
+its configuration, and its forward and backward functions. Which backend
+runs a pass of a call is decided here, once, before anything is traced:
+
+- `implementation=None`: for each pass separately, the first backend in
+  priority order whose capabilities cover the call and that is a default on
+  this device (a backend supplying only a forward, or only some options,
+  leaves the rest to the next one);
+- `implementation="name"`: that backend for both passes, or a
+  NotImplementedError naming, in one sentence, what it cannot do.
+
+`jflash.implementations()` lists the backends and their capabilities.
+
+Forward functions return (out, lse2) with lse2 the base-2 log-sum-exp,
+float32 [batch, num_heads, q_len] (numerics.py); backward functions take
+that residual, so any forward pairs with any backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+from jflash._src import platform
+from jflash._src.spec import CallSpec
+
+_PLATFORM_NAMES = {"cuda": "a CUDA GPU"}
+
+FORWARD = "forward"
+BACKWARD = "backward"
+PASSES = (FORWARD, BACKWARD)
+
+# Every mask feature and option a call can use, as capabilities name them.
+MASK_FEATURES = ("causal", "bottom_right", "window", "lengths", "segments",
+                 "dense_mask")
+OPTIONS = ("bias", "soft_cap", "sinks", "alibi", "dropout", "return_lse")
+
+
+def call_features(spec: CallSpec) -> tuple[frozenset[str], frozenset[str]]:
+  """(mask features, options) a call uses, named as in `Capabilities`."""
+  mask = spec.mask
+  masks = {"causal": mask.is_causal, "bottom_right": mask.bottom_right,
+           "window": mask.window is not None, "lengths": mask.has_lengths,
+           "segments": mask.has_segments, "dense_mask": mask.has_dense_mask}
+  mods = spec.modifiers
+  options = {"bias": spec.has_bias,
+             "soft_cap": spec.logits_soft_cap is not None,
+             "sinks": mods.has_sinks, "alibi": mods.has_alibi,
+             "dropout": mods.has_dropout, "return_lse": spec.return_lse}
+  return (frozenset(k for k, v in masks.items() if v),
+          frozenset(k for k, v in options.items() if v))
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+  """What a backend can run, per pass.
+
+  Attributes:
+    passes: the passes it implements ("forward", "backward").
+    dtypes: names of the q/k/v dtypes it takes.
+    max_head_dim: the largest head dimension, or None for any.
+    mask_features: the mask features it supports (`MASK_FEATURES`).
+    options: the options it supports (`OPTIONS`).
+    unsupported_together: (pass, features, what) triples: the features
+      (mask features or options) it cannot combine in that pass, and how to
+      say so, e.g. ("backward", frozenset({"bias", "alibi"}), "`bias`
+      together with `alibi_slopes`").
+    platforms: JAX platforms it runs on ("cuda", "cpu", ...); None: any.
+    interpretable: whether `interpret=True` runs it on any platform.
+    named_only_on: platforms where it runs only when named
+      (`implementation=...`), never chosen by `implementation=None`.
+  """
+
+  passes: frozenset[str]
+  dtypes: tuple[str, ...]
+  max_head_dim: int | None
+  mask_features: frozenset[str]
+  options: frozenset[str]
+  unsupported_together: tuple[tuple[str, frozenset[str], str], ...] = ()
+  platforms: frozenset[str] | None = None
+  interpretable: bool = False
+  named_only_on: frozenset[str] = frozenset()
+
+  def describe(self) -> dict[str, Any]:
+    """A plain-data summary for users (`jflash.implementations()`)."""
+    return {
+        "passes": sorted(self.passes, key=PASSES.index),
+        "dtypes": list(self.dtypes),
+        "max_head_dim": self.max_head_dim,
+        "mask_features": sorted(self.mask_features,
+                                key=MASK_FEATURES.index),
+        "options": sorted(self.options, key=OPTIONS.index),
+        "unsupported_together": [
+            (pass_, sorted(combo))
+            for pass_, combo, _ in self.unsupported_together],
+        "platforms": None if self.platforms is None else sorted(
+            self.platforms),
+        "interpretable": self.interpretable,
+        "named_only_on": sorted(self.named_only_on),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """A registered implementation.
+
+  Attributes:
+    name: what `implementation=` calls it.
+    capabilities: what it supports.
+    option_names: the user options it takes (e.g. "block_sizes",
+      "interpret"); a call that sets another backend's option never runs
+      here.
+    configure: (spec, options) -> its hashable configuration for the call;
+      may raise ValueError for bad option values.
+    forward: (spec, config, operands) -> (out, lse2).
+    backward: (spec, config, operands, out, lse2, dout, dlse2 or None) ->
+      `spec.Operands` of cotangents (None for non-differentiable operands).
+    differentiable: whether its passes are plain JAX that can be
+      differentiated again (higher-order derivatives); kernels are not.
+    direct: for a backend written in plain differentiable JAX, (spec,
+      config, operands) -> out or (out, natural lse), used as is (JAX's
+      autodiff, any order, forward mode too) when it runs both passes.
+  """
+
+  name: str
+  capabilities: Capabilities
+  option_names: frozenset[str]
+  configure: Callable[[CallSpec, dict[str, Any]], Any]
+  forward: Callable[..., Any] | None
+  backward: Callable[..., Any] | None
+  differentiable: bool = False
+  direct: Callable[..., Any] | None = None
+
+
+_REGISTRY: dict[str, Backend] = {}
+_PRIORITY: list[str] = []
+
+
+def register(backend: Backend, *, priority: int | None = None) -> None:
+  """Adds a backend; `priority`: its place in the order (default: last)."""
+  _REGISTRY[backend.name] = backend
+  if backend.name in _PRIORITY:
+    _PRIORITY.remove(backend.name)
+  _PRIORITY.insert(len(_PRIORITY) if priority is None else priority,
+                   backend.name)
+
+
+def get(name: str) -> Backend:
+  return _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+  """Registered backends, in priority order."""
+  return tuple(_PRIORITY)
+
+
+def current_platform() -> str:
+  """"cuda" on an NVIDIA GPU, else JAX's default backend ("cpu", ...)."""
+  return "cuda" if platform.cuda_gpu_available() else jax.default_backend()
+
+
+def unsupported_reason(backend: Backend, spec: CallSpec, pass_: str,
+                       options: dict[str, Any]) -> str | None:
+  """Why `backend` cannot run `pass_` of the call, in one sentence, or None.
+
+  Args:
+    backend: the candidate.
+    spec: the call.
+    pass_: "forward" or "backward".
+    options: the user's backend options that are set (e.g. interpret).
+  """
+  caps, name = backend.capabilities, backend.name
+  if pass_ not in caps.passes:
+    return f"{name} has no {pass_} pass."
+  where = current_platform()
+  interpreted = caps.interpretable and options.get("interpret", False)
+  if (caps.platforms is not None and where not in caps.platforms
+      and not interpreted):
+    needs = " or ".join(_PLATFORM_NAMES.get(p, p) for p in
+                        sorted(caps.platforms))
+    hint = ("; pass interpret=True to run its kernels through the Pallas "
+            "interpreter" if caps.interpretable else "")
+    return (f"{name} needs {needs}, and JAX's default backend is "
+            f"{jax.default_backend()!r}{hint}.")
+  if spec.dtype not in caps.dtypes:
+    return (f"{name} supports dtypes {', '.join(caps.dtypes)}; got "
+            f"{spec.dtype}.")
+  if caps.max_head_dim is not None and spec.head_dim > caps.max_head_dim:
+    return (f"{name} supports head_dim <= {caps.max_head_dim}; got "
+            f"head_dim={spec.head_dim}.")
+  masks, opts = call_features(spec)
+  missing = sorted((masks - caps.mask_features) | (opts - caps.options))
+  if missing:
+    return f"{name} does not support {', '.join(missing)}."
+  for combo_pass, combo, reason in caps.unsupported_together:
+    if combo_pass == pass_ and combo <= masks | opts:
+      return f"{name}'s {pass_} pass does not support {reason}."
+  return None
+
+
+def _is_default_here(backend: Backend) -> bool:
+  return current_platform() not in backend.capabilities.named_only_on
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Which backend runs each pass, with its configuration (hashable)."""
+
+  forward: str
+  forward_config: Any
+  backward: str
+  backward_config: Any
+
+
+def plan(spec: CallSpec, implementation: str | None,
+         options: dict[str, Any]) -> Plan:
+  """Chooses the backend of each pass.
+
+  Args:
+    spec: the call.
+    implementation: a backend's name, or None to choose.
+    options: the user's backend options, only those set (not None/False).
+
+  Raises:
+    ValueError: for an unknown implementation, or options the named backend
+      does not take.
+    NotImplementedError: when no backend (or not the named one) can run a
+      pass, with the reason in one sentence per candidate.
+  """
+  if implementation is not None:
+    if implementation not in _REGISTRY:
+      raise ValueError(f"implementation must be one of {names()} or None; "
+                       f"got {implementation!r}.")
+    backend = _REGISTRY[implementation]
+    for option in options:
+      if option not in backend.option_names:
+        owners = [n for n in names() if option in get(n).option_names]
+        raise ValueError(
+            f"{option} configures the {'/'.join(owners)} backend; it cannot "
+            f"be combined with implementation={implementation!r}.")
+    candidates = [backend]
+  else:
+    candidates = [get(n) for n in names()
+                  if set(options) <= get(n).option_names]
+  chosen = {}
+  for pass_ in PASSES:
+    reasons = []
+    for backend in candidates:
+      if implementation is None and not _is_default_here(backend):
+        reasons.append(f"{backend.name} runs here only when named "
+                       f"(implementation={backend.name!r}).")
+        continue
+      reason = unsupported_reason(backend, spec, pass_, options)
+      if reason is None:
+        chosen[pass_] = backend
+        break
+      reasons.append(reason)
+    else:
+      if implementation is not None:
+        raise NotImplementedError(
+            f"jflash.flash_attention: implementation={implementation!r} "
+            f"cannot run this call: {reasons[0]}")
+      raise NotImplementedError(
+          f"jflash.flash_attention: no implementation can run the {pass_} "
+          f"pass of this call: {' '.join(reasons)}")
+  configs = {}
+  for backend in chosen.values():
+    configs[backend.name] = backend.configure(
+        spec, {k: v for k, v in options.items()
+               if k in backend.option_names})
+  return Plan(forward=chosen[FORWARD].name,
+              forward_config=configs[chosen[FORWARD].name],
+              backward=chosen[BACKWARD].name,
+              backward_config=configs[chosen[BACKWARD].name])
+
+
+def implementations() -> list[dict[str, Any]]:
+  """The registered backends, in priority order, and what each supports.
+
+  Returns:
+    One dict per backend: "name"; "available": whether it can run on this
+    machine (without `interpret`); "default_here": whether
+    `implementation=None` may choose it on this machine; "arguments": the
+    backend-specific keyword arguments of `flash_attention` it takes; and
+    its capabilities (`Capabilities.describe`).
+  """
+  result = []
+  for name in names():
+    backend = get(name)
+    caps = backend.capabilities
+    available = (caps.platforms is None
+                 or current_platform() in caps.platforms)
+    result.append(dict(
+        name=name, available=available,
+        default_here=available and _is_default_here(backend),
+        arguments=sorted(backend.option_names), **caps.describe()))
+  return result

@@ -1,0 +1,206 @@
+"""One description of an attention call: its static spec and its operands.
+
+Every backend receives a call as two objects:
+
+- `CallSpec`: the static options, frozen and hashable (shapes, dtype, scale,
+  the mask description, soft cap, modifiers, whether the lse is returned). It
+  is what the registry checks a backend's capabilities against and what the
+  `custom_vjp` binding carries as a non-differentiable argument.
+- `Operands`: a pytree (registered dataclass) of the arrays, in which an
+  absent operand is `None`.
+
+Which optional operands are present is derived once, from the operands, by
+`describe_call`; nothing else sets the presence flags. Tiles, `interpret`
+and other launch choices belong to a backend's own configuration (the
+registry), not to the call.
+
+This module imports no Pallas backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """Static part of the mask (the predicate is `masks.visible`).
+
+  Attributes:
+    is_causal: causal mask.
+    has_lengths: whether per-batch lengths were given. Without them the
+      lengths are the static array lengths, and a kernel may use them as
+      compile-time constants.
+    bottom_right: causal alignment (with is_causal): False for top-left
+      (query row r sees keys c <= r, jax.nn's convention), True for
+      bottom-right (c <= r + kv_len - q_len, FlashAttention's and KV-cache
+      prefill's convention; rows with r + kv_len - q_len < 0 see nothing).
+    window: (left, right) local window, as jax.nn's local_window_size: row r
+      sees keys r + offset - left <= c <= r + offset + right (offset as for
+      the causal mask). None: no window.
+    has_segments: whether segment ids were given (packed sequences): row r
+      sees column c only if their ids are equal.
+    has_dense_mask: whether a dense boolean mask was given.
+  """
+
+  is_causal: bool
+  has_lengths: bool = True
+  bottom_right: bool = False
+  window: tuple[int, int] | None = None
+  has_segments: bool = False
+  has_dense_mask: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ModifierSpec:
+  """Static part of the per-head score modifiers (modifiers.py).
+
+  Attributes:
+    has_sinks: per-head attention sinks.
+    has_alibi: ALiBi position bias.
+    dropout_rate: attention dropout rate in [0, 1); 0: none.
+  """
+
+  has_sinks: bool = False
+  has_alibi: bool = False
+  dropout_rate: float = 0.0
+
+  @property
+  def has_dropout(self) -> bool:
+    return self.dropout_rate > 0.0
+
+  @property
+  def uses_positions(self) -> bool:
+    """Whether tiles need their column positions even where unmasked."""
+    return self.has_alibi or self.has_dropout
+
+  def for_backward(self) -> ModifierSpec:
+    """The modifiers a backward pass recomputes (sinks live in the lse)."""
+    return dataclasses.replace(self, has_sinks=False)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Operands:
+  """The arrays of one call; absent optional operands are None.
+
+  Shapes use B = batch, T = query length, S = key/value length, N = query
+  heads, K = key/value heads, H = head dim.
+
+  Attributes:
+    query: [B, T, N, H].
+    key: [B, S, K, H].
+    value: [B, S, K, H].
+    q_lengths: int32 [B], valid query rows, in [0, T].
+    kv_lengths: int32 [B], valid keys, in [0, S].
+    q_segment_ids: int32 [B, T], packed-sequence ids of the queries.
+    kv_segment_ids: int32 [B, S], of the keys.
+    bias: float [Bb, Nb, T, S], Bb in {1, B}, Nb in {1, N} (broadcast batch
+      and head axes are kept at size 1).
+    mask: bool, shaped like `bias`; True = attend.
+    sinks: float32 [B, N], natural-log sink logits.
+    alibi_slopes: float32 [B, N].
+    dropout_seeds: uint32 [B, N, 2] (dropout.seeds).
+  """
+
+  query: jax.Array
+  key: jax.Array
+  value: jax.Array
+  q_lengths: jax.Array | None = None
+  kv_lengths: jax.Array | None = None
+  q_segment_ids: jax.Array | None = None
+  kv_segment_ids: jax.Array | None = None
+  bias: jax.Array | None = None
+  mask: jax.Array | None = None
+  sinks: jax.Array | None = None
+  alibi_slopes: jax.Array | None = None
+  dropout_seeds: jax.Array | None = None
+
+  def lengths(self) -> tuple[jax.Array, jax.Array]:
+    """(q_lengths, kv_lengths), the full lengths where none were given."""
+    batch, q_seq = self.query.shape[:2]
+    kv_seq = self.key.shape[1]
+    full = lambda n: jnp.full((batch,), n, jnp.int32)
+    return (full(q_seq) if self.q_lengths is None else self.q_lengths,
+            full(kv_seq) if self.kv_lengths is None else self.kv_lengths)
+
+  def replace(self, **changes) -> Operands:
+    return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+  """The static description of one call.
+
+  Shapes are the call's as the public function saw them. Under `vmap` or a
+  sharding wrapper a backend sees other batch (and head) sizes: kernels read
+  shapes from their arrays, the spec's shapes serve capability checks and
+  tuning.
+
+  Attributes:
+    batch, q_len, kv_len, num_heads, num_kv_heads, head_dim: B, T, S, N, K, H.
+    dtype: the name of q/k/v's dtype, e.g. "bfloat16".
+    scale: logit scale (natural units).
+    mask: the mask description.
+    logits_soft_cap: cap of `cap * tanh(logit / cap)`, or None.
+    has_bias: whether a dense bias is added to the logits.
+    modifiers: sinks, ALiBi, dropout.
+    return_lse: whether the call also returns the natural-log lse.
+  """
+
+  batch: int
+  q_len: int
+  kv_len: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: str
+  scale: float
+  mask: MaskSpec
+  logits_soft_cap: float | None = None
+  has_bias: bool = False
+  modifiers: ModifierSpec = ModifierSpec()
+  return_lse: bool = False
+
+  @property
+  def group(self) -> int:
+    """Query heads per key/value head (GQA group size)."""
+    return self.num_heads // self.num_kv_heads
+
+
+def describe_call(operands: Operands, *, scale: float, is_causal: bool,
+                  bottom_right: bool = False,
+                  window: tuple[int, int] | None = None,
+                  logits_soft_cap: float | None = None,
+                  dropout_rate: float = 0.0,
+                  return_lse: bool = False) -> CallSpec:
+  """The call's spec; every presence flag is read off `operands` here.
+
+  Raises:
+    ValueError: if the dropout rate and the presence of seeds disagree.
+  """
+  if (dropout_rate > 0.0) != (operands.dropout_seeds is not None):
+    raise ValueError(f"dropout_rate={dropout_rate} needs dropout seeds, and "
+                     "seeds need a positive rate.")
+  batch, q_len, num_heads, head_dim = operands.query.shape
+  kv_len, num_kv_heads = operands.key.shape[1:3]
+  mask = MaskSpec(
+      is_causal=bool(is_causal),
+      has_lengths=(operands.q_lengths is not None
+                   or operands.kv_lengths is not None),
+      bottom_right=bool(is_causal and bottom_right), window=window,
+      has_segments=operands.q_segment_ids is not None,
+      has_dense_mask=operands.mask is not None)
+  modifiers = ModifierSpec(has_sinks=operands.sinks is not None,
+                           has_alibi=operands.alibi_slopes is not None,
+                           dropout_rate=float(dropout_rate))
+  return CallSpec(
+      batch=batch, q_len=q_len, kv_len=kv_len, num_heads=num_heads,
+      num_kv_heads=num_kv_heads, head_dim=head_dim,
+      dtype=jnp.dtype(operands.query.dtype).name, scale=float(scale),
+      mask=mask, logits_soft_cap=logits_soft_cap,
+      has_bias=operands.bias is not None, modifiers=modifiers,
+      return_lse=bool(return_lse))

@@ -1,0 +1,72 @@
+"""The tuning cache: tuned configurations per device kind and shape, on disk.
+
+`jflash.autotune` writes entries; a backend's configuration step reads them
+(backends import this module, never the search in autotune.py, which itself
+calls the public function).
+
+Cache file: `$JFLASH_AUTOTUNE_CACHE` if set (the value "off" disables the
+cache), else `~/.cache/jflash/autotune.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+CACHE_ENV_VAR = "JFLASH_AUTOTUNE_CACHE"
+_DEFAULT_CACHE = os.path.join("~", ".cache", "jflash", "autotune.json")
+
+
+def cache_path() -> str | None:
+  """The autotune cache file, or None when disabled."""
+  path = os.environ.get(CACHE_ENV_VAR, "").strip()
+  if path.lower() == "off":
+    return None
+  return os.path.expanduser(path or _DEFAULT_CACHE)
+
+
+def shape_key(*, q_len: int, kv_len: int, num_heads: int, num_kv_heads: int,
+              head_dim: int, dtype: Any, is_causal: bool,
+              device_kind: str) -> str:
+  """The cache key of one problem shape on one kind of device."""
+  return (f"{device_kind}|{jnp.dtype(dtype).name}|T={q_len}|S={kv_len}|"
+          f"N={num_heads}|K={num_kv_heads}|D={head_dim}|causal={is_causal}")
+
+
+_read_memo: dict[str, tuple[float, dict[str, Any]]] = {}
+
+
+def _read(path: str | None) -> dict[str, Any]:
+  """The cache file's entries (re-read only when the file changed)."""
+  if path is None or not os.path.exists(path):
+    return {}
+  mtime = os.path.getmtime(path)
+  memo = _read_memo.get(path)
+  if memo is None or memo[0] != mtime:
+    with open(path) as f:
+      memo = (mtime, json.load(f))
+    _read_memo[path] = memo
+  return memo[1]
+
+
+def lookup(path: str | None = None, **shape: Any) -> dict[str, Any] | None:
+  """The cached entry for a shape (arguments as `shape_key`), if any.
+
+  `path`: the cache file; default `cache_path()`.
+  """
+  path = cache_path() if path is None else path
+  return _read(path).get(shape_key(**shape))
+
+
+def store(path: str, key: str, entry: dict[str, Any]) -> None:
+  """Adds or replaces one entry (the file is replaced atomically)."""
+  entries = dict(_read(path))
+  entries[key] = entry
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  temporary = f"{path}.tmp{os.getpid()}"
+  with open(temporary, "w") as f:
+    json.dump(entries, f, indent=1, sort_keys=True)
+  os.replace(temporary, path)  # Atomic: readers never see a partial file.

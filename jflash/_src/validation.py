@@ -1,0 +1,269 @@
+"""Validation of `flash_attention`'s arguments, before any backend runs.
+
+Each check raises ValueError naming the argument and the shapes for bad
+input, and returns the argument in the form the call description takes
+(spec.py). Which dtypes, head dimensions and options a backend supports is
+not checked here but by the registry (registry.py), per backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_operands(query, key, value):
+  """Validates q, k, v: ranks, shapes, the GQA head ratio, one dtype."""
+  shapes = f"query.shape={query.shape}, key.shape={key.shape}, " \
+           f"value.shape={value.shape}"
+  if query.ndim not in (3, 4) or key.ndim != query.ndim or \
+      value.ndim != query.ndim:
+    raise ValueError(
+        "query, key and value must all be 4-D [batch, seq_len, num_heads, "
+        f"head_dim] or all 3-D [seq_len, num_heads, head_dim]; got {shapes}.")
+  if key.shape != value.shape:
+    raise ValueError(f"key and value must have the same shape; got {shapes}.")
+  if query.ndim == 4 and query.shape[0] != key.shape[0]:
+    raise ValueError(f"query and key must have the same batch size; got "
+                     f"{shapes}.")
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"query and key must have the same head_dim; got "
+                     f"{shapes}.")
+  num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
+  if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+    raise ValueError(
+        f"The number of query heads ({num_heads}) must be a multiple of the "
+        f"number of key/value heads ({num_kv_heads}); got {shapes}.")
+  if not query.dtype == key.dtype == value.dtype:
+    raise ValueError(
+        f"query, key and value must have the same dtype; got "
+        f"query.dtype={query.dtype}, key.dtype={key.dtype}, "
+        f"value.dtype={value.dtype}.")
+  head_dim = query.shape[-1]
+  if head_dim == 0:
+    raise ValueError(f"head_dim must be positive; got {shapes}.")
+
+
+def check_sinks(sinks, query_shape):
+  """Validates sinks: a float [num_heads] array, or None."""
+  if sinks is None:
+    return None
+  sinks = jnp.asarray(sinks)
+  num_heads = query_shape[-2]
+  if sinks.shape != (num_heads,):
+    raise ValueError(
+        f"sinks must have shape (num_heads,) = ({num_heads},), one logit per "
+        f"query head; got sinks.shape={sinks.shape} (query.shape="
+        f"{query_shape}).")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"sinks must be a float array; got "
+                     f"sinks.dtype={sinks.dtype}.")
+  return sinks
+
+
+def check_alibi_slopes(slopes, query_shape):
+  """Validates ALiBi slopes; returns them, not differentiable, or None."""
+  if slopes is None:
+    return None
+  slopes = jnp.asarray(slopes)
+  num_heads = query_shape[-2]
+  shapes = [(num_heads,)]
+  if len(query_shape) == 4:
+    shapes.append((query_shape[0], num_heads))
+  if slopes.shape not in shapes:
+    expected = " or ".join(str(x) for x in shapes)
+    raise ValueError(
+        f"alibi_slopes must have shape (num_heads,) or (batch, num_heads) = "
+        f"{expected}; got alibi_slopes.shape={slopes.shape} "
+        f"(query.shape={query_shape}).")
+  if not jnp.issubdtype(slopes.dtype, jnp.floating):
+    raise ValueError(f"alibi_slopes must be a float array; got "
+                     f"alibi_slopes.dtype={slopes.dtype}.")
+  return not_differentiable(slopes)
+
+
+def check_dropout(rate, rng, broadcast) -> float:
+  """Validates the dropout options; returns the rate as a float."""
+  rate = check_static_float(rate, "dropout_rate")
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1); got {rate!r}.")
+  if not isinstance(broadcast, (bool, np.bool_)):
+    raise ValueError(
+        f"broadcast_dropout must be a bool, got {broadcast!r}.")
+  if rate == 0.0:
+    return rate
+  if rng is None:
+    raise ValueError(f"dropout_rng (a jax.random key) is required when "
+                     f"dropout_rate > 0; got {rate=} and dropout_rng=None.")
+  rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+  typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+  if (typed and rng.shape != ()) or (not typed and (
+      rng.dtype != jnp.uint32 or rng.ndim != 1)):
+    raise ValueError(
+        f"dropout_rng must be one jax.random key (jax.random.key(...), or a "
+        f"raw uint32 jax.random.PRNGKey); got dropout_rng.shape={rng.shape}, "
+        f"dropout_rng.dtype={rng.dtype}.")
+  return rate
+
+
+@jax.custom_jvp
+def not_differentiable(slopes):
+  return slopes
+
+
+@not_differentiable.defjvp
+def _not_differentiable_jvp(primals, tangents):
+  del primals, tangents
+  raise NotImplementedError(
+      "flash_attention: alibi_slopes are not differentiable; wrap them in "
+      "jax.lax.stop_gradient if they are parameters.")
+
+
+def check_static_float(value, name: str) -> float:
+  """A float option known at trace time (kernels are compiled for it)."""
+  if isinstance(value, (str, bytes, bool)):
+    raise ValueError(f"{name} must be a Python float; got {value!r}.")
+  try:
+    result = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise ValueError(
+        f"{name} must be a Python float known at trace time; got {value!r}."
+    ) from e
+  if not math.isfinite(result):
+    raise ValueError(f"{name} must be finite; got {value!r}.")
+  return result
+
+
+def check_window(local_window_size) -> tuple[int, int] | None:
+  """Validates local_window_size; returns (left, right) or None."""
+  if local_window_size is None:
+    return None
+  window = local_window_size
+  if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+    window = (window, window)
+  if (not isinstance(window, (tuple, list)) or len(window) != 2
+      or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool)
+                 and w >= 0 for w in window)):
+    raise ValueError("local_window_size must be a non-negative int or a pair "
+                     f"(left, right) of them; got {local_window_size!r}.")
+  return int(window[0]), int(window[1])
+
+
+def check_dense(operand, name: str, query, key):
+  """Validates `bias` or `mask`; returns None or [Bb, Nb, T, S].
+
+  As jax.nn: rank <= 4, leading axes added as size 1, each axis 1 or the
+  operands' (B, N, T, S) (B = 1 for unbatched operands). Size-1 query or key
+  axes are broadcast here (materializing [Bb, Nb, T, S]); batch and head
+  axes never are (the kernels index them).
+  """
+  if operand is None:
+    return None
+  operand = jnp.asarray(operand)
+  batch = query.shape[0] if query.ndim == 4 else 1
+  full = (batch, query.shape[-2], query.shape[-3], key.shape[-3])
+  shapes = (f"{name}.shape={operand.shape}, query.shape={query.shape}, "
+            f"key.shape={key.shape}")
+  if operand.ndim > 4:
+    raise ValueError(f"{name} must have at most 4 dimensions, broadcastable "
+                     f"to [B, N, T, S] = {full}; got {shapes}.")
+  operand = operand.reshape((1,) * (4 - operand.ndim) + operand.shape)
+  if any(d not in (1, f) for d, f in zip(operand.shape, full)):
+    raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = {full} "
+                     f"(each axis 1 or full); got {shapes}.")
+  if name == "mask" and operand.dtype != jnp.bool_:
+    raise ValueError(f"mask must be a boolean array (True = attend); got "
+                     f"mask.dtype={operand.dtype}.")
+  if name == "bias" and not jnp.issubdtype(operand.dtype, jnp.floating):
+    raise ValueError(f"bias must be a floating-point array; got "
+                     f"bias.dtype={operand.dtype}.")
+  return jnp.broadcast_to(operand, operand.shape[:2] + full[2:])
+
+
+def check_segment_ids(q_segment_ids, kv_segment_ids, query, key):
+  """Validates segment ids; returns () or the int32 pair (q_ids, kv_ids).
+
+  Shapes are those of the (possibly unbatched) operands: [B, T] and [B, S],
+  or [T] and [S].
+  """
+  if q_segment_ids is None and kv_segment_ids is None:
+    return ()
+  if q_segment_ids is None or kv_segment_ids is None:
+    given, missing = (("q_segment_ids", "kv_segment_ids")
+                      if kv_segment_ids is None
+                      else ("kv_segment_ids", "q_segment_ids"))
+    shape = jnp.shape(q_segment_ids if kv_segment_ids is None
+                      else kv_segment_ids)
+    raise ValueError(f"{given} (shape {shape}) was given without {missing}; "
+                     "pass both or neither.")
+  result = []
+  for name, ids, operand, axis in (
+      ("q_segment_ids", q_segment_ids, query, "T"),
+      ("kv_segment_ids", kv_segment_ids, key, "S")):
+    ids = jnp.asarray(ids)
+    expected = operand.shape[:-2]
+    dims = "[B, T]" if query.ndim == 4 else "[T]"
+    dims = dims.replace("T", axis)
+    if ids.shape != expected:
+      raise ValueError(
+          f"{name} must have shape {dims} = {expected}; got "
+          f"{name}.shape={ids.shape} (query.shape={query.shape}, "
+          f"key.shape={key.shape}).")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array; got "
+                       f"{name}.dtype={ids.dtype}.")
+    result.append(ids.astype(jnp.int32))
+  return tuple(result)
+
+
+def check_lengths(lengths, name: str, batch: int, seq_len: int):
+  """Validates a lengths argument; returns int32 [batch] clipped to seq_len,
+  or None."""
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (batch,):
+    raise ValueError(f"{name} must have shape (batch,) = ({batch},); got "
+                     f"{name}.shape={lengths.shape}.")
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array; got "
+                     f"{name}.dtype={lengths.dtype}.")
+  return jnp.clip(lengths, 0, seq_len).astype(jnp.int32)
+
+
+def check_bool(value, name: str) -> bool:
+  """A Python (or numpy) bool option."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be a bool, got {value!r}.")
+  return bool(value)
+
+
+def check_causal_alignment(causal_alignment) -> bool:
+  """Validates causal_alignment; returns whether it is bottom-right."""
+  if causal_alignment not in ("top_left", "bottom_right"):
+    raise ValueError("causal_alignment must be 'top_left' or 'bottom_right'; "
+                     f"got {causal_alignment!r}.")
+  return causal_alignment == "bottom_right"
+
+
+def check_soft_cap(logits_soft_cap) -> float | None:
+  """Validates logits_soft_cap: None or a positive Python float."""
+  if logits_soft_cap is None:
+    return None
+  soft_cap = check_static_float(logits_soft_cap, "logits_soft_cap")
+  if soft_cap <= 0.0:
+    raise ValueError(f"logits_soft_cap must be positive; got "
+                     f"{logits_soft_cap!r}.")
+  return soft_cap
+
+
+def check_block_sizes(block_sizes) -> None:
+  """block_sizes: None or a `jflash.BlockSizes`."""
+  # Imported here: validation is backend-neutral, this one argument is not.
+  from jflash._src.backends.triton.block_sizes import BlockSizes  # pylint: disable=g-import-not-at-top
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a jflash.BlockSizes or None; got "
+                     f"{type(block_sizes).__name__}.")
