@@ -1,10 +1,9 @@
-"""Forward and gradients of the kernels against jax.nn.dot_product_attention.
+"""Forward and gradients of every backend against jax.nn.dot_product_attention.
 
-Runs the Pallas kernels through the interpreter on CPU and compiled on a GPU
-(JFLASH_TEST_ON_GPU=1); see test_util.INTERPRET.
+Runs per backend (tests/test_base.py): the Pallas kernels through the
+interpreter on CPU and compiled on a GPU (JFLASH_TEST_ON_GPU=1), and the
+XLA path.
 """
-
-import functools
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -13,26 +12,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jflash
+from tests import test_base
 from tests import test_util
 
 
-class AttentionTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
+class AttentionTest(test_base.BackendTestCase):
 
-  def _flash(self, block_sizes=test_util.SMALL_BLOCKS, **kwargs):
-    return functools.partial(
-        jflash.flash_attention, implementation="triton",
-        interpret=self.INTERPRET, block_sizes=block_sizes, **kwargs)
-
-  def _check(self, seed, *, is_causal=False, block_sizes=test_util.SMALL_BLOCKS,
-             lengths=None, **shape):
+  def _check(self, seed, *, is_causal=False, lengths=None, tiles=None,
+             **shape):
     q, k, v, dout = test_util.random_inputs(seed, **shape)
     kwargs = dict(is_causal=is_causal)
     if lengths is not None:
       kwargs.update(query_seq_lengths=jnp.asarray(lengths[0], jnp.int32),
                     key_value_seq_lengths=jnp.asarray(lengths[1], jnp.int32))
-    fn = self._flash(block_sizes=block_sizes, **kwargs)
+    fn = self.flash(**kwargs, **(tiles or {}))
     results = jax.jit(test_util.value_and_grads, static_argnums=0)(
         fn, q, k, v, dout)
     test_util.assert_close_to_jax_nn(self, results, q, k, v, dout, **kwargs)
@@ -75,8 +68,9 @@ class AttentionTest(parameterized.TestCase):
                 num_kv_heads=1, lengths=lengths, is_causal=is_causal)
 
   def test_default_block_sizes(self):
-    self._check(3, q_len=130, kv_len=200, is_causal=True, block_sizes=None,
-                dtype="bfloat16")
+    # The backend's own default tiles, not the suite's small ones.
+    self._check(3, q_len=130, kv_len=200, is_causal=True,
+                tiles=dict(block_sizes=None), dtype="bfloat16")
 
   def test_rows_without_visible_keys_are_zero_with_zero_gradients(self):
     # Batch 0: every key masked (kv length 0), and its query rows from 5 on
@@ -84,7 +78,7 @@ class AttentionTest(parameterized.TestCase):
     q, k, v, dout = test_util.random_inputs(11, batch=2, q_len=40, kv_len=40)
     q_lens = jnp.array([5, 40], jnp.int32)
     kv_lens = jnp.array([0, 40], jnp.int32)
-    fn = self._flash(is_causal=True, query_seq_lengths=q_lens,
+    fn = self.flash(is_causal=True, query_seq_lengths=q_lens,
                      key_value_seq_lengths=kv_lens)
     out, dq, dk, dv = jax.jit(test_util.value_and_grads, static_argnums=0)(
         fn, q, k, v, dout)
@@ -98,7 +92,7 @@ class AttentionTest(parameterized.TestCase):
 
   def test_query_rows_past_length_are_zero(self):
     q, k, v, dout = test_util.random_inputs(12, batch=1, q_len=50, kv_len=30)
-    fn = self._flash(query_seq_lengths=jnp.array([21], jnp.int32))
+    fn = self.flash(query_seq_lengths=jnp.array([21], jnp.int32))
     out, dq, _, _ = test_util.value_and_grads(fn, q, k, v, dout)
     np.testing.assert_array_equal(np.asarray(out[0, 21:]), 0.0)
     np.testing.assert_array_equal(np.asarray(dq[0, 21:]), 0.0)
@@ -106,7 +100,7 @@ class AttentionTest(parameterized.TestCase):
 
   def test_scale(self):
     q, k, v, dout = test_util.random_inputs(13, q_len=33, kv_len=47)
-    fn = self._flash(scale=0.37, is_causal=True)
+    fn = self.flash(scale=0.37, is_causal=True)
     results = test_util.value_and_grads(fn, q, k, v, dout)
     test_util.assert_close_to_jax_nn(self, results, q, k, v, dout,
                                      scale=0.37, is_causal=True)
@@ -114,7 +108,7 @@ class AttentionTest(parameterized.TestCase):
   def test_unbatched_inputs(self):
     q, k, v, dout = test_util.random_inputs(14, batch=1, q_len=33, kv_len=20,
                                             num_heads=4, num_kv_heads=2)
-    fn = self._flash(is_causal=True)
+    fn = self.flash(is_causal=True)
     batched = test_util.value_and_grads(fn, q, k, v, dout)
     unbatched = test_util.value_and_grads(fn, q[0], k[0], v[0], dout[0])
     chex.assert_trees_all_close(unbatched, tuple(x[0] for x in batched),
@@ -125,10 +119,12 @@ class AttentionTest(parameterized.TestCase):
                                             num_heads=4, num_kv_heads=2,
                                             dtype="bfloat16")
     fn = jax.jit(test_util.value_and_grads, static_argnums=0)
-    flash = self._flash(is_causal=True)
+    flash = self.flash(is_causal=True)
     chex.assert_trees_all_equal(fn(flash, q, k, v, dout),
                                 fn(flash, q, k, v, dout))
 
+
+test_base.for_each_backend(globals(), AttentionTest)
 
 if __name__ == "__main__":
   absltest.main()

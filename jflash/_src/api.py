@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jflash._src import modifiers
 from jflash._src import registry
 from jflash._src import validation
 from jflash._src.backends.triton.block_sizes import BlockSizes
+from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
 from jflash._src.spec import describe_call
 
@@ -202,6 +204,50 @@ def flash_attention(
       on the kernels (the message says which backend lacks what), and for
       higher-order derivatives through kernels.
   """
+  call = describe(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, block_sizes=block_sizes,
+      interpret=interpret, logits_soft_cap=logits_soft_cap,
+      causal_alignment=causal_alignment, return_residuals=return_residuals,
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+      sinks=sinks, alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
+  plan = registry.plan(call.spec, implementation, call.options)
+  spec = call.spec
+  if 0 in (spec.batch, spec.q_len, spec.kv_len, spec.num_heads):
+    out, lse = _empty_call(call.operands)
+  else:
+    result = binding.attention(spec, plan, call.operands)
+    out, lse = result if return_residuals else (result, None)
+  if call.unbatched:
+    out = out[0]
+    lse = None if lse is None else lse[0]
+  return (out, lse) if return_residuals else out
+
+
+@dataclasses.dataclass(frozen=True)
+class DescribedCall:
+  """A validated call: its spec, its operands (batched), the backend
+  options the user set, and whether the inputs were unbatched."""
+
+  spec: CallSpec
+  operands: Operands
+  options: dict[str, Any]
+  unbatched: bool
+
+
+def describe(query, key, value, bias=None, mask=None, *, scale=None,
+             is_causal=False, query_seq_lengths=None,
+             key_value_seq_lengths=None, local_window_size=None,
+             block_sizes=None, interpret=False, logits_soft_cap=None,
+             causal_alignment="top_left", return_residuals=False,
+             q_segment_ids=None, kv_segment_ids=None, sinks=None,
+             alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
+             broadcast_dropout=False) -> DescribedCall:
+  """Validates `flash_attention`'s arguments (same names and meaning) and
+  describes the call; raises ValueError for bad input."""
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   validation.check_operands(query, key, value)
   validation.check_block_sizes(block_sizes)
@@ -228,7 +274,6 @@ def flash_attention(
   kv_seq = key.shape[1]
   scale = (1.0 / math.sqrt(head_dim) if scale is None
            else validation.check_static_float(scale, "scale"))
-
   per_head = functools.partial(modifiers.per_head, batch=batch,
                                num_heads=num_heads)
   operands = Operands(
@@ -253,17 +298,23 @@ def flash_attention(
   options = {name: value for name, value in (("block_sizes", block_sizes),
                                              ("interpret", interpret))
              if value is not None and value is not False}
-  plan = registry.plan(spec, implementation, options)
+  return DescribedCall(spec=spec, operands=operands, options=options,
+                       unbatched=unbatched)
 
-  if 0 in (batch, q_seq, kv_seq, num_heads):
-    out, lse = _empty_call(operands)
-  else:
-    result = binding.attention(spec, plan, operands)
-    out, lse = result if return_residuals else (result, None)
-  if unbatched:
-    out = out[0]
-    lse = None if lse is None else lse[0]
-  return (out, lse) if return_residuals else out
+
+def unsupported_reason(query, key, value, bias=None, mask=None, *,
+                       implementation: str, **kwargs) -> str | None:
+  """Why the named backend cannot run this `flash_attention` call (either
+  pass), in one sentence, or None if it can. Arguments as flash_attention;
+  raises ValueError for bad input. (The test suite skips with it.)"""
+  call = describe(query, key, value, bias, mask, **kwargs)
+  backend = registry.get(implementation)
+  for pass_ in registry.PASSES:
+    reason = registry.unsupported_reason(backend, call.spec, pass_,
+                                         call.options)
+    if reason is not None:
+      return reason
+  return None
 
 
 def _empty_call(operands: Operands):

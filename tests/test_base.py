@@ -1,0 +1,115 @@
+"""One test base for every backend: tests are written once, against the
+contract, and run per backend.
+
+A test file writes its tests in a `BackendTestCase` subclass and ends with
+`for_each_backend(globals(), TheTest)`: that replaces the class by one
+subclass per backend target (`TheTest_triton`, `TheTest_xla`, ...), each
+with its implementation, interpret mode and test configuration. Tests call
+`self.flash(...)` (flash_attention bound to the target): a call the target
+cannot run skips the test with the registry's one-sentence reason, never
+silently. With JFLASH_TEST_ON_GPU=1 the same classes run the kernels
+compiled on the GPU instead of through the Pallas interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from absl.testing import parameterized
+
+import jflash
+from jflash._src import api
+from jflash._src import registry
+from tests import test_util
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A backend under test and how the suite runs it.
+
+  Attributes:
+    implementation: the registry name.
+    options: backend keyword arguments of flash_attention for the tests
+      (interpret mode, small tiles).
+  """
+
+  implementation: str
+  options: tuple[tuple[str, Any], ...] = ()
+
+
+# Small tiles for the kernels, so short test sequences cross several tiles
+# (and partial last tiles) in every loop.
+TARGETS = (
+    Target("triton", (("interpret", test_util.INTERPRET),
+                      ("block_sizes", test_util.SMALL_BLOCKS))),
+    Target("xla"),
+)
+
+
+class BackendTestCase(parameterized.TestCase):
+  """Base of the per-backend test classes (see `for_each_backend`)."""
+
+  TARGET: Target | None = None
+
+  @property
+  def implementation(self) -> str:
+    return self.TARGET.implementation
+
+  @property
+  def options(self) -> dict[str, Any]:
+    """The target's backend keyword arguments (interpret, block_sizes)."""
+    return dict(self.TARGET.options)
+
+  @property
+  def interpret(self) -> bool:
+    return self.options.get("interpret", False)
+
+  @property
+  def backend(self) -> registry.Backend:
+    return registry.get(self.implementation)
+
+  @property
+  def runs_kernels(self) -> bool:
+    """Whether the target runs Pallas kernels (not plain JAX)."""
+    return not self.backend.differentiable
+
+  def flash(self, **kwargs):
+    """`jflash.flash_attention` on this target, with `kwargs` bound.
+
+    The returned function skips the test (with the registry's reason) when
+    the target cannot run the call, checked on its arguments before it
+    runs. `kwargs` may override the target's options (e.g. block_sizes).
+    """
+    bound = {"implementation": self.implementation, **self.options,
+             **kwargs}
+
+    def call(*args, **more):
+      reason = api.unsupported_reason(*args, **bound, **more)
+      if reason is not None:
+        self.skipTest(f"{self.implementation}: {reason}")
+      return jflash.flash_attention(*args, **bound, **more)
+
+    return call
+
+  def require_kernels(self, why: str) -> None:
+    """Skips on targets that run no kernels, saying why the test is about
+    kernels only."""
+    if not self.runs_kernels:
+      self.skipTest(f"{self.implementation} runs no kernels: {why}")
+
+
+def for_each_backend(namespace: dict[str, Any], test_class: type,
+                     targets=TARGETS) -> None:
+  """Replaces `test_class` in `namespace` by one subclass per target.
+
+  Call it at the end of a test file with `globals()`: the written class
+  disappears from the module (so no runner collects it without a target)
+  and `{Name}_{implementation}` classes take its place.
+  """
+  del namespace[test_class.__name__]
+  for target in targets:
+    name = f"{test_class.__name__}_{target.implementation}"
+    namespace[name] = type(name, (test_class,), {
+        "TARGET": target, "__module__": test_class.__module__,
+        "__qualname__": name})
