@@ -10,7 +10,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from jflash._src import backends  # pylint: disable=unused-import (registers)
+from jflash._src import backends  # noqa: F401 (registers the backends)
 from jflash._src import binding
 from jflash._src import dropout
 from jflash._src import modifiers
@@ -250,7 +250,9 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
   describes the call; raises ValueError for bad input."""
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   validation.check_operands(query, key, value)
-  validation.check_block_sizes(block_sizes)
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a jflash.BlockSizes or None; got "
+                     f"{type(block_sizes).__name__}.")
   bias = validation.check_dense(bias, "bias", query, key)
   mask = validation.check_dense(mask, "mask", query, key)
   sinks = validation.check_sinks(sinks, query.shape)
@@ -342,8 +344,9 @@ def implementations() -> list[dict]:
     One dict per backend: "name"; "available" (runs on this machine without
     `interpret`); "default_here" (may be picked by implementation=None
     here); "arguments" (the backend-specific keyword arguments it takes,
-    e.g. block_sizes); "passes", "dtypes", "max_head_dim", "mask_features", "options",
-    "unsupported_together" (per pass, features it cannot combine),
+    e.g. block_sizes); "passes", "dtypes", "max_head_dim",
+    "mask_features", "options", "unsupported_together" ((pass, features)
+    it cannot combine),
     "platforms", "interpretable" and "named_only_on" (platforms where it
     runs only when named).
   """

@@ -18,8 +18,9 @@ are not differentiable again: higher-order derivatives raise a clear
 NotImplementedError.
 
 Transforms: `jit` and `jax.checkpoint` work through `custom_vjp` as usual;
-`vmap` is each backend's business (the Triton backend folds the vmapped axis
-into the batch).
+under `vmap` every pass folds the vmapped axis into the batch axis
+(batching.py). Batch and head sharding: sharding.py, applied in
+`attention`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import functools
 
 import jax
 
+from jflash._src import batching
 from jflash._src import numerics
 from jflash._src import registry
+from jflash._src import sharding
 from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
 
@@ -52,39 +55,63 @@ def _no_higher_order(fn, what: str):
   return wrapped
 
 
-def _pass_function(spec: CallSpec, plan: registry.Plan, pass_: str):
-  """The backend function of one pass, bound to the call and its config:
-  a function of arrays only (positional pytrees)."""
+# The layout names (sharding.py) of each pass's arguments and results.
+_FORWARD_ARGS, _FORWARD_RESULTS = ("operands",), ("out", "lse2")
+_BACKWARD_ARGS = ("operands", "out", "lse2", "dout", "dlse")
+
+
+def _run_pass(spec: CallSpec, plan: registry.Plan, pass_: str,
+              partition: bool, *args):
+  """Runs one pass with the backend the plan chose for it.
+
+  Layers, inside out: the backend's function bound to the call and its
+  configuration; per-shard partitioning (`partition`: more than one device
+  and no sharding in the types, see sharding.py); a guard that makes
+  differentiating a kernel pass a clear error; and the fold of `vmap` into
+  the batch axis (kernel grids have no room for a vmap axis).
+  """
   name, config = ((plan.forward, plan.forward_config)
                   if pass_ == registry.FORWARD
                   else (plan.backward, plan.backward_config))
   backend = registry.get(name)
   fn = functools.partial(getattr(backend, pass_), spec, config)
+  if partition:
+    if pass_ == registry.FORWARD:
+      fn = sharding.partitioned(fn, spec, _FORWARD_ARGS, _FORWARD_RESULTS)
+    else:
+      present = [f for f in ("bias", "sinks")
+                 if getattr(args[0], f) is not None]
+      fn = sharding.partitioned(fn, spec, _BACKWARD_ARGS,
+                                ("query", "key", "value", *present))
   if not backend.differentiable:
     fn = _no_higher_order(fn, f"the {pass_} pass")
-  return fn
+  fold = batching.fold_vmap_into_batch(
+      fn, vmappable=not (spec.has_bias or spec.mask.has_dense_mask),
+      unsupported=(
+          "jflash.flash_attention: vmap with a dense `bias` or `mask` is not "
+          "supported yet; put the vmapped axis into the batch axis instead."))
+  return fold(*args)
 
 
 def _outputs(spec: CallSpec, out, lse2):
   return (out, numerics.natural_lse(lse2)) if spec.return_lse else out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention_vjp(spec: CallSpec, plan: registry.Plan, operands: Operands):
-  forward = registry.get(plan.forward).forward
-  return _outputs(spec, *forward(spec, plan.forward_config, operands))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attention_vjp(spec: CallSpec, plan: registry.Plan, partition: bool,
+                   operands: Operands):
+  return _outputs(spec, *_run_pass(spec, plan, registry.FORWARD, partition,
+                                   operands))
 
 
-def _forward_rule(spec: CallSpec, plan: registry.Plan, operands: Operands):
-  # Differentiating this rule happens only for higher-order derivatives:
-  # `_pass_function` makes that a clear error rather than a Pallas internal
-  # one.
-  out, lse2 = _pass_function(spec, plan, registry.FORWARD)(operands)
+def _forward_rule(spec: CallSpec, plan: registry.Plan, partition: bool,
+                  operands: Operands):
+  out, lse2 = _run_pass(spec, plan, registry.FORWARD, partition, operands)
   return _outputs(spec, out, lse2), (operands, out, lse2)
 
 
-def _backward_rule(spec: CallSpec, plan: registry.Plan, residuals,
-                   cotangent):
+def _backward_rule(spec: CallSpec, plan: registry.Plan, partition: bool,
+                   residuals, cotangent):
   operands, out, lse2 = residuals
   dlse = None
   if spec.return_lse:
@@ -92,22 +119,36 @@ def _backward_rule(spec: CallSpec, plan: registry.Plan, residuals,
     dlse = numerics.natural_lse_cotangent(dlse, lse2)
   else:
     dout = cotangent
-  cotangents = _pass_function(spec, plan, registry.BACKWARD)(
-      operands, out, lse2, dout, dlse)
-  return (cotangents,)
+  cotangents = _run_pass(spec, plan, registry.BACKWARD, partition, operands,
+                         out, lse2, dout, dlse)
+  # Inside a user's shard_map(check_vma=True): each cotangent must vary as
+  # its primal does (a broadcast bias's partial sums are added up).
+  return (sharding.match_vma(cotangents, operands),)
 
 
 _attention_vjp.defvjp(_forward_rule, _backward_rule)
 
 
+def _unsharded(spec: CallSpec, plan: registry.Plan, partition: bool,
+               operands: Operands):
+  """The call on arrays that are (or act as) one shard."""
+  backend = registry.get(plan.forward)
+  if plan.forward == plan.backward and backend.direct is not None:
+    return backend.direct(spec, plan.forward_config, operands)
+  return _attention_vjp(spec, plan, partition, operands)
+
+
 def attention(spec: CallSpec, plan: registry.Plan, operands: Operands):
   """Attention of `operands` as `spec` describes, with `plan`'s backends.
+
+  Batch and head sharding are handled here, for every backend (sharding.py).
 
   Returns:
     out [B, T, N, H] in the query's dtype; with spec.return_lse, the pair
     (out, natural lse float32 [B, T, N]), both differentiable.
   """
-  backend = registry.get(plan.forward)
-  if plan.forward == plan.backward and backend.direct is not None:
-    return backend.direct(spec, plan.forward_config, operands)
-  return _attention_vjp(spec, plan, operands)
+  where = sharding.placement(operands.query)
+  if where == sharding.EXPLICIT:
+    return sharding.shard_map_call(
+        functools.partial(_unsharded, spec, plan, False), spec, operands)
+  return _unsharded(spec, plan, where == sharding.PARTITIONED, operands)

@@ -212,8 +212,10 @@ def make_attention_fn(
     deterministic, from `dropout_rng`, with `broadcast_dropout` (True by
     default in Flax's modules: one mask shared by all batch elements and
     heads) respected; the masks are jflash's own hash (same distribution as
-    Flax's `bernoulli`, other bits). `mask`, `bias`, sowing weights
-    (`module`) and custom einsums raise NotImplementedError.
+    Flax's `bernoulli`, other bits). `mask` and `bias` (broadcastable to
+    [batch..., num_heads, q_len, kv_len], as in Flax) are passed to the
+    kernels, which read them tile by tile. Sowing weights (`module`) and
+    custom einsums raise NotImplementedError.
   """
 
   def attention_fn(

@@ -259,11 +259,3 @@ def check_soft_cap(logits_soft_cap) -> float | None:
                      f"{logits_soft_cap!r}.")
   return soft_cap
 
-
-def check_block_sizes(block_sizes) -> None:
-  """block_sizes: None or a `jflash.BlockSizes`."""
-  # Imported here: validation is backend-neutral, this one argument is not.
-  from jflash._src.backends.triton.block_sizes import BlockSizes  # pylint: disable=g-import-not-at-top
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise ValueError(f"block_sizes must be a jflash.BlockSizes or None; got "
-                     f"{type(block_sizes).__name__}.")

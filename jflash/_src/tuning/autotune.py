@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -99,8 +99,8 @@ def autotune(
       machines without a GPU; the timings then mean nothing).
     repeats: timed repeats per candidate (the median counts).
     iters: calls per timed repeat.
-    path: cache file; default `cache.cache_path()`. None and caching disabled:
-      nothing is written.
+    path: cache file; default `cache.cache_path()`. None and caching
+      disabled: nothing is written.
     verbose: print each candidate's time or the reason it was rejected.
 
   Returns:

@@ -2,20 +2,18 @@
 
 The forward pass launches `forward.forward_call`; the backward pass
 `backward.delta_call`, `dkv_call`, `dq_call` (and `dbias_call` with a
-bias), recomputing probabilities from the forward's base-2 lse. Every launch
-is wrapped by `batching.fold_vmap_into_batch` (Triton grids have no room for
-a `vmap` axis). Tiles come from the user, else from the autotune cache
-(tuning/cache.py), else from `block_sizes.default_block_sizes`.
+bias), recomputing probabilities from the forward's base-2 lse. The binding
+folds `vmap` into the batch axis before either runs (Triton grids have no
+room for a `vmap` axis). Tiles come from the user, else from the autotune
+cache (tuning/cache.py), else from `block_sizes.default_block_sizes`.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax.numpy as jnp
 
-from jflash._src import batching
 from jflash._src import modifiers
 from jflash._src import platform
 from jflash._src import registry
@@ -79,21 +77,10 @@ def _kernel_operands(operands: Operands) -> Operands:
       mask=None if mask is None else mask.astype(jnp.int8))
 
 
-def _fold(spec: CallSpec):
-  """`batching.fold_vmap_into_batch` for this call's launches."""
-  return functools.partial(
-      batching.fold_vmap_into_batch,
-      vmappable=not (spec.has_bias or spec.mask.has_dense_mask),
-      unsupported=(
-          "jflash.flash_attention: vmap with a dense `bias` or `mask` is not "
-          "supported yet; put the vmapped axis into the batch axis instead."))
-
-
 def forward(spec: CallSpec, config: TritonConfig, operands: Operands):
   """(out, lse2): the forward kernel."""
-  return _fold(spec)(functools.partial(
-      forward_kernels.forward_call, spec=spec, config=config))(
-          _kernel_operands(operands))
+  return forward_kernels.forward_call(_kernel_operands(operands), spec=spec,
+                                      config=config)
 
 
 def backward(spec: CallSpec, config: TritonConfig, operands: Operands, out,
@@ -103,18 +90,14 @@ def backward(spec: CallSpec, config: TritonConfig, operands: Operands, out,
   `dlse`: the natural lse's cotangent, [B, N, T] (zero on rows without
   keys), or None.
   """
-  fold = _fold(spec)
-  delta = fold(functools.partial(backward_kernels.delta_call,
-                                 config=config))(out, dout)
+  delta = backward_kernels.delta_call(out, dout, config=config)
   if dlse is not None:
     # d lse / d s_c = p_c, so lse's cotangent enters as a shift of delta:
     # dS = p * (dP - delta) + p * dlse = p * (dP - (delta - dlse)).
     delta = delta - dlse
   kernel_operands = _kernel_operands(operands)
-  launch = lambda call: fold(functools.partial(call, spec=spec,
-                                               config=config))(
-                                                   kernel_operands, dout,
-                                                   lse2, delta)
+  launch = lambda call: call(kernel_operands, dout, lse2, delta, spec=spec,
+                             config=config)
   dk, dv = launch(backward_kernels.dkv_call)
   dq = launch(backward_kernels.dq_call)
   dbias = launch(backward_kernels.dbias_call) if spec.has_bias else None

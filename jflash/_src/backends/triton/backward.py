@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -52,6 +51,7 @@ import jax.numpy as jnp
 
 from jflash._src import masks
 from jflash._src import numerics
+from jflash._src import sharding
 from jflash._src.backends.triton import dense
 from jflash._src.backends.triton import forward
 from jflash._src.backends.triton import kernel_inputs
@@ -297,7 +297,8 @@ def delta_call(o, do, *, config: TritonConfig):
       grid=(pl.cdiv(q_seq, block_q), batch, num_heads),
       in_specs=[tile_spec, tile_spec],
       out_specs=pl.BlockSpec((None, None, q_seq), lambda i, b, h: (b, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((batch, num_heads, q_seq), jnp.float32),
+      out_shape=sharding.output_struct((batch, num_heads, q_seq),
+                                       jnp.float32, o, do),
       compiler_params=_compiler_params(config),
       interpret=config.interpret,
       name="jflash_delta",
@@ -361,9 +362,9 @@ def dkv_call(operands: Operands, do, lse, delta, *, spec: CallSpec,
       grid=(pl.cdiv(kv_seq, block_k), batch, num_kv_heads),
       in_specs=(KernelInputs(**specs),),
       out_specs=[kv_spec, kv_spec],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(operands.value.shape,
-                                      operands.value.dtype)],
+      out_shape=[sharding.output_struct(k.shape, k.dtype, arrays),
+                 sharding.output_struct(operands.value.shape,
+                                        operands.value.dtype, arrays)],
       compiler_params=_compiler_params(config),
       interpret=config.interpret,
       name="jflash_dkv",
@@ -393,7 +394,7 @@ def dq_call(operands: Operands, do, lse, delta, *, spec: CallSpec,
       grid=grid,
       in_specs=(in_specs,),
       out_specs=in_specs.q,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=sharding.output_struct(q.shape, q.dtype, inputs),
       compiler_params=_compiler_params(config),
       interpret=config.interpret,
       name="jflash_dq",
@@ -519,7 +520,7 @@ def dbias_call(operands: Operands, do, lse, delta, *, spec: CallSpec,
       grid=(pl.cdiv(q_seq, block_q), bias.shape[0], bias.shape[1]),
       in_specs=(KernelInputs(**specs),),
       out_specs=specs["bias"],
-      out_shape=jax.ShapeDtypeStruct(bias.shape, bias.dtype),
+      out_shape=sharding.output_struct(bias.shape, bias.dtype, arrays),
       compiler_params=_compiler_params(config),
       interpret=config.interpret,
       name="jflash_dbias",

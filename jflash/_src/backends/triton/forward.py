@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 
 from jflash._src import masks
 from jflash._src import numerics
+from jflash._src import sharding
 from jflash._src.backends.triton import dense
 from jflash._src.backends.triton import kernel_inputs
 from jflash._src.backends.triton import tiles
@@ -282,8 +282,9 @@ def forward_call(operands: Operands, *, spec: CallSpec,
                  pl.BlockSpec((None, None, q_seq),
                               order(lambda i, b, h: (b, h, 0)))],
       out_shape=[
-          jax.ShapeDtypeStruct(q.shape, q.dtype),
-          jax.ShapeDtypeStruct((batch, num_heads, q_seq), jnp.float32),
+          sharding.output_struct(q.shape, q.dtype, inputs),
+          sharding.output_struct((batch, num_heads, q_seq), jnp.float32,
+                                 inputs),
       ],
       compiler_params=plgpu.CompilerParams(
           num_warps=config.block_sizes.num_warps,
