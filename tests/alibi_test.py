@@ -1,4 +1,7 @@
-"""ALiBi (alibi_slopes): forward and gradients against a dense bias."""
+"""ALiBi (alibi_slopes): forward and gradients against a dense bias.
+
+Runs per backend (tests/test_base.py): the Pallas kernels and the XLA path.
+"""
 
 import functools
 
@@ -9,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from tests import test_base
 from tests import test_util
 
 
@@ -42,17 +46,7 @@ def _capped_alibi_attention(q, k, v, slopes, *, cap, q_lens, kv_lens):
                     preferred_element_type=jnp.float32).astype(q.dtype)
 
 
-class AlibiTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
-
-  def _flash(self, implementation="triton", **kwargs):
-    if implementation == "xla":
-      return functools.partial(jflash.flash_attention, implementation="xla",
-                               **kwargs)
-    return functools.partial(
-        jflash.flash_attention, implementation="triton",
-        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
-        **kwargs)
+class AlibiTest(test_base.BackendTestCase):
 
   @parameterized.named_parameters(
       ("causal_gqa_float32", "float32", True, 40, 56, False),
@@ -71,14 +65,12 @@ class AlibiTest(parameterized.TestCase):
       options.update(query_seq_lengths=jnp.array([q_len, 31]),
                      key_value_seq_lengths=jnp.array([17, kv_len]))
     bias = _alibi_bias(slopes, q_len, kv_len)
-    for implementation in ("triton", "xla"):
-      with self.subTest(implementation):
-        fn = self._flash(implementation, alibi_slopes=slopes, **options)
-        results = jax.jit(test_util.value_and_grads, static_argnums=0)(
-            fn, q, k, v, dout)
-        test_util.assert_close_to_jax_nn(
-            self, results, q, k, v, dout,
-            bias=jnp.broadcast_to(bias, (2, 2, q_len, kv_len)), **options)
+    fn = self.flash(alibi_slopes=slopes, **options)
+    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+        fn, q, k, v, dout)
+    test_util.assert_close_to_jax_nn(
+        self, results, q, k, v, dout,
+        bias=jnp.broadcast_to(bias, (2, 2, q_len, kv_len)), **options)
 
   def test_soft_cap_bottom_right_and_lengths(self):
     q, k, v, dout = test_util.random_inputs(91, q_len=40, kv_len=64,
@@ -87,29 +79,31 @@ class AlibiTest(parameterized.TestCase):
     q_lens, kv_lens = jnp.array([40, 29]), jnp.array([64, 50])
     reference = functools.partial(_capped_alibi_attention, slopes=slopes,
                                   cap=4.0, q_lens=q_lens, kv_lens=kv_lens)
-    for implementation in ("triton", "xla"):
-      with self.subTest(implementation):
-        fn = self._flash(
-            implementation, alibi_slopes=slopes, logits_soft_cap=4.0,
-            is_causal=True, causal_alignment="bottom_right",
-            query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens)
-        results = jax.jit(test_util.value_and_grads, static_argnums=0)(
-            fn, q, k, v, dout)
-        test_util.assert_close_to_function(self, results, reference,
-                                           (q, k, v), dout,
-                                           ("out", "dq", "dk", "dv"))
+    fn = self.flash(
+        alibi_slopes=slopes, logits_soft_cap=4.0, is_causal=True,
+        causal_alignment="bottom_right", query_seq_lengths=q_lens,
+        key_value_seq_lengths=kv_lens)
+    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+        fn, q, k, v, dout)
+    test_util.assert_close_to_function(self, results, reference, (q, k, v),
+                                       dout, ("out", "dq", "dk", "dv"))
 
   def test_slopes_are_not_differentiable(self):
     q, k, v, _ = test_util.random_inputs(92, q_len=8, kv_len=8)
     slopes = jnp.array([0.5, 0.25])
-    for implementation in ("triton", "xla"):
-      loss = lambda s: jnp.sum(
-          self._flash(implementation, alibi_slopes=s)(q, k, v))
-      with self.assertRaisesRegex(NotImplementedError,
-                                  "alibi_slopes are not differentiable"):
-        jax.grad(loss)(slopes)
+    # The error is expected: flash_attention itself, not self.flash (which
+    # checks the call first).
+    flash = functools.partial(jflash.flash_attention,
+                              implementation=self.implementation,
+                              **self.options)
+    loss = lambda s: jnp.sum(flash(q, k, v, alibi_slopes=s))
+    with self.assertRaisesRegex(NotImplementedError,
+                                "alibi_slopes are not differentiable"):
+      jax.grad(loss)(slopes)
     # Stopped gradients are fine.
-    jax.grad(lambda s: loss(jax.lax.stop_gradient(s)))(slopes)
+    stopped = lambda s: jnp.sum(self.flash(
+        alibi_slopes=jax.lax.stop_gradient(s))(q, k, v))
+    jax.grad(stopped)(slopes)
 
   @parameterized.named_parameters(
       ("heads", (3,), r"alibi_slopes.shape=\(3,\)"),
@@ -121,10 +115,13 @@ class AlibiTest(parameterized.TestCase):
                                          num_kv_heads=2)
     slopes = (jnp.ones((4,), jnp.int32) if shape is None
               else jnp.ones(shape))
-    for implementation in ("triton", "xla"):
-      with self.assertRaisesRegex(ValueError, message):
-        self._flash(implementation, alibi_slopes=slopes)(q, k, v)
+    with self.assertRaisesRegex(ValueError, message):
+      jflash.flash_attention(q, k, v, alibi_slopes=slopes,
+                             implementation=self.implementation,
+                             **self.options)
 
+
+test_base.for_each_backend(globals(), AlibiTest)
 
 if __name__ == "__main__":
   absltest.main()

@@ -5,6 +5,10 @@ own file; here they are combined, so that the forward, dK/dV and dQ kernels
 must agree on one mask description with all of them on. The reference is
 jflash's pure-JAX path on float32-upcast inputs at HIGHEST precision (it
 regenerates the very same dropout mask).
+
+Runs per backend (tests/test_base.py): the Pallas kernels and the XLA path
+(there against itself on upcast inputs; and, for a bias with ALiBi or
+dropout, which the kernels reject, against a jnp reference).
 """
 
 import functools
@@ -17,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from jflash._src import dropout
 from jflash._src.backends.triton import forward
+from tests import test_base
 from tests import test_util
 
 Q_LEN, KV_LEN, HEADS, KV_HEADS = 40, 56, 4, 2
@@ -32,19 +38,38 @@ def _segments():
               kv_segment_ids=jnp.asarray(kv_ids, jnp.int32))
 
 
-class CombinationsTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
+def _biased_attention(q, k, v, bias, *, alibi_slopes=None, dropout_rate=0.0,
+                      dropout_rng=None):
+  """Dense bias plus ALiBi (as one more dense bias) or dropout, in jnp; the
+  dropout mask is dropout.py's, the one every backend draws."""
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len = k.shape[1]
+  logits = jnp.einsum("btnd,bsnd->bnts", q, k,
+                      preferred_element_type=jnp.float32) / np.sqrt(head_dim)
+  logits = logits + bias.astype(jnp.float32)
+  if alibi_slopes is not None:
+    distance = jnp.abs(jnp.arange(q_len)[:, None]
+                       - jnp.arange(kv_len)[None, :]).astype(jnp.float32)
+    logits = logits - alibi_slopes[:, None, None] * distance
+  probs = jax.nn.softmax(logits, axis=-1)
+  if dropout_rate:
+    keep = dropout.keep_mask(
+        dropout.seeds(dropout_rng, batch, num_heads, broadcast=False),
+        q_len, kv_len, dropout_rate)
+    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+  return jnp.einsum("bnts,bsnd->btnd", probs.astype(v.dtype), v,
+                    preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+class CombinationsTest(test_base.BackendTestCase):
 
   def _check(self, dtype, **options):
     q, k, v, dout = test_util.random_inputs(
         120, q_len=Q_LEN, kv_len=KV_LEN, num_heads=HEADS,
         num_kv_heads=KV_HEADS, dtype=dtype)
-    # A new partial per call: jit must trace again (see the launch order
+    # A new function per call: jit must trace again (see the launch order
     # test, which patches a module constant read at trace time).
-    fn = functools.partial(
-        jflash.flash_attention, implementation="triton",
-        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
-        **options)
+    fn = self.flash(**options)
     results = jax.jit(test_util.value_and_grads, static_argnums=0)(
         fn, q, k, v, dout)
     test_util.assert_close_to_reference(self, results, q, k, v, dout,
@@ -71,6 +96,8 @@ class CombinationsTest(parameterized.TestCase):
                 sinks=jnp.array([0.5, -1.0, 0.0, 1.5]), **_segments())
 
   def test_causal_launch_orders_agree(self):
+    self.require_kernels("the kernels' launch order (patches "
+                         "forward.CAUSAL_TILE_MAJOR_KV_LEN)")
     # Causal calls launch head-major below forward.CAUSAL_TILE_MAJOR_KV_LEN
     # keys and tile-major from there on (forward.query_tile_grid); the order
     # moves the optional operands' index maps, not the arithmetic. Lowering
@@ -93,13 +120,31 @@ class CombinationsTest(parameterized.TestCase):
   @parameterized.parameters(
       dict(alibi_slopes=jnp.ones((HEADS,))),
       dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)))
-  def test_bias_with_alibi_or_dropout_is_not_implemented(self, **options):
-    q, k, v, _ = test_util.random_inputs(123, q_len=8, kv_len=8,
-                                         num_heads=HEADS)
-    with self.assertRaisesRegex(NotImplementedError, "`bias` together with"):
-      jflash.flash_attention(q, k, v, bias=jnp.zeros((8, 8)),
-                             interpret=self.INTERPRET, **options)
+  def test_bias_with_alibi_or_dropout(self, **options):
+    # The kernels' dbias kernel has neither: they raise before running,
+    # named or chosen. The XLA path computes the call.
+    q, k, v, dout = test_util.random_inputs(123, q_len=8, kv_len=8,
+                                            num_heads=HEADS)
+    bias = jnp.zeros((8, 8))
+    if self.runs_kernels:
+      for implementation in (self.implementation, None):
+        with self.subTest(implementation=implementation):
+          with self.assertRaisesRegex(NotImplementedError,
+                                      "`bias` together with"):
+            jflash.flash_attention(q, k, v, bias=bias,
+                                   implementation=implementation,
+                                   **self.options, **options)
+      return
+    bias = jax.random.normal(jax.random.key(125), (8, 8))
+    fn = self.flash(**options)
+    results = jax.jit(test_util.value_and_all_grads, static_argnums=0)(
+        fn, dout, q, k, v, bias)
+    test_util.assert_close_to_function(
+        self, results, functools.partial(_biased_attention, **options),
+        (q, k, v, bias), dout, ("out", "dq", "dk", "dv", "dbias"))
 
+
+test_base.for_each_backend(globals(), CombinationsTest)
 
 if __name__ == "__main__":
   absltest.main()

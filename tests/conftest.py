@@ -14,3 +14,9 @@ import jax
 
 if os.environ.get("JFLASH_TEST_ON_GPU") != "1":
   jax.config.update("jax_disable_most_optimizations", True)
+
+# tests/sharding_test.py runs its cases in a subprocess with 8 CPU devices,
+# which must be set before JAX starts its backends.
+if os.environ.get("JFLASH_TEST_CPU_DEVICES"):
+  jax.config.update("jax_num_cpu_devices",
+                    int(os.environ["JFLASH_TEST_CPU_DEVICES"]))

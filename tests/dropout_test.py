@@ -1,6 +1,8 @@
-"""Attention dropout: the in-kernel mask, its statistics, gradients, keys."""
+"""Attention dropout: the in-kernel mask, its statistics, gradients, keys.
 
-import functools
+The flash_attention tests run per backend (tests/test_base.py): the Pallas
+kernels and the XLA path; the mask's statistics are backend-free.
+"""
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -11,6 +13,7 @@ import numpy as np
 
 import jflash
 from jflash._src import dropout
+from tests import test_base
 from tests import test_util
 
 
@@ -21,39 +24,8 @@ def _within_binomial(test, kept, n, keep_prob, sigmas=5.0):
                        msg=f"kept {kept} of {n}, expected {n * keep_prob}")
 
 
-class DropoutTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
-
-  def _flash(self, **kwargs):
-    return functools.partial(
-        jflash.flash_attention, implementation="triton",
-        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
-        **kwargs)
-
-  def test_forward_and_backward_masks_are_the_shared_function(self):
-    # q = 0: every probability is 1/S. V = I: out[t, d] = Z[t, d] / S.
-    # dO = I: dV[s, d] = (p * Z)[d, s]. Both read the kernels' masks.
-    batch, length, heads, rate = 2, 32, 2, 0.3
-    eye = jnp.broadcast_to(jnp.eye(length)[None, :, None, :],
-                           (batch, length, heads, length))
-    q = jnp.zeros_like(eye)
-    key = jax.random.key(100)
-    fn = self._flash(dropout_rate=rate, dropout_rng=key)
-    out, dq, dk, dv = jax.jit(test_util.value_and_grads, static_argnums=0)(
-        fn, q, eye, eye, eye)
-    chex.assert_tree_all_finite((out, dq, dk, dv))
-    scale = length * (1.0 - rate)
-    forward_mask = np.moveaxis(np.asarray(out) * scale, 2, 1) > 0.5
-    backward_mask = np.moveaxis(np.asarray(dv) * scale, (1, 2), (3, 1)) > 0.5
-    expected = dropout.keep_mask(
-        dropout.seeds(key, batch, heads, broadcast=False), length, length,
-        rate)
-    np.testing.assert_array_equal(forward_mask, expected)
-    np.testing.assert_array_equal(backward_mask, expected)
-    # Each (batch, head) has its own mask.
-    self.assertFalse(np.all(expected == expected[:1, :1]))
-    _within_binomial(self, int(forward_mask[0, 0].sum()), length * length,
-                     1.0 - rate)
+class DropoutMaskTest(parameterized.TestCase):
+  """dropout.py's keep mask itself (no backend)."""
 
   @parameterized.parameters(0.1, 0.5, 0.9)
   def test_keep_rate_statistics(self, rate):
@@ -77,6 +49,34 @@ class DropoutTest(parameterized.TestCase):
       b = np.take(mask, np.arange(1, 64), axis=axis).ravel()
       self.assertLess(abs(np.corrcoef(a, b)[0, 1]), 0.03)
 
+
+class DropoutTest(test_base.BackendTestCase):
+
+  def test_forward_and_backward_masks_are_the_shared_function(self):
+    # q = 0: every probability is 1/S. V = I: out[t, d] = Z[t, d] / S.
+    # dO = I: dV[s, d] = (p * Z)[d, s]. Both read the backend's masks.
+    batch, length, heads, rate = 2, 32, 2, 0.3
+    eye = jnp.broadcast_to(jnp.eye(length)[None, :, None, :],
+                           (batch, length, heads, length))
+    q = jnp.zeros_like(eye)
+    key = jax.random.key(100)
+    fn = self.flash(dropout_rate=rate, dropout_rng=key)
+    out, dq, dk, dv = jax.jit(test_util.value_and_grads, static_argnums=0)(
+        fn, q, eye, eye, eye)
+    chex.assert_tree_all_finite((out, dq, dk, dv))
+    scale = length * (1.0 - rate)
+    forward_mask = np.moveaxis(np.asarray(out) * scale, 2, 1) > 0.5
+    backward_mask = np.moveaxis(np.asarray(dv) * scale, (1, 2), (3, 1)) > 0.5
+    expected = dropout.keep_mask(
+        dropout.seeds(key, batch, heads, broadcast=False), length, length,
+        rate)
+    np.testing.assert_array_equal(forward_mask, expected)
+    np.testing.assert_array_equal(backward_mask, expected)
+    # Each (batch, head) has its own mask.
+    self.assertFalse(np.all(expected == expected[:1, :1]))
+    _within_binomial(self, int(forward_mask[0, 0].sum()), length * length,
+                     1.0 - rate)
+
   @parameterized.named_parameters(
       ("causal_gqa_lengths", "float32", dict(
           is_causal=True, query_seq_lengths=jnp.array([40, 19]),
@@ -93,7 +93,7 @@ class DropoutTest(parameterized.TestCase):
                                             dtype=dtype)
     options = dict(options, dropout_rate=0.25,
                    dropout_rng=jax.random.key(103))
-    fn = self._flash(**options)
+    fn = self.flash(**options)
     results = jax.jit(test_util.value_and_grads, static_argnums=0)(
         fn, q, k, v, dout)
     test_util.assert_close_to_reference(self, results, q, k, v, dout,
@@ -101,7 +101,7 @@ class DropoutTest(parameterized.TestCase):
 
   def test_keys_rates_and_the_lse(self):
     q, k, v, _ = test_util.random_inputs(104, q_len=24, kv_len=24)
-    flash = jax.jit(self._flash(is_causal=True, return_residuals=True),
+    flash = jax.jit(self.flash(is_causal=True, return_residuals=True),
                     static_argnames="dropout_rate")
     key1, key2 = jax.random.key(1), jax.random.key(2)
     out1, lse1 = flash(q, k, v, dropout_rate=0.5, dropout_rng=key1)
@@ -120,7 +120,7 @@ class DropoutTest(parameterized.TestCase):
   def test_vmap_over_keys_is_a_loop(self):
     q, k, v, _ = test_util.random_inputs(105, batch=1, q_len=24, kv_len=24)
     keys = jax.random.split(jax.random.key(106), 2)
-    flash = lambda key: self._flash(dropout_rate=0.4, dropout_rng=key)(
+    flash = lambda key: self.flash(dropout_rate=0.4, dropout_rng=key)(
         q, k, v)
     mapped = jax.jit(jax.vmap(flash))(keys)
     for i in range(2):
@@ -143,19 +143,18 @@ class DropoutTest(parameterized.TestCase):
         (dict(dropout_rate=0.1, dropout_rng=key, broadcast_dropout=None),
          "broadcast_dropout must be a bool"),
     ]
-    for implementation in ("triton", "xla"):
-      for kwargs, message in cases:
-        with self.subTest(implementation=implementation, message=message):
-          with self.assertRaisesRegex(ValueError, message):
-            jflash.flash_attention(
-                q, k, v, implementation=implementation,
-                interpret=self.INTERPRET and implementation == "triton",
-                **kwargs)
+    for kwargs, message in cases:
+      with self.subTest(message=message):
+        with self.assertRaisesRegex(ValueError, message):
+          jflash.flash_attention(q, k, v, implementation=self.implementation,
+                                 **self.options, **kwargs)
     with self.assertRaisesRegex(ValueError, "dropout_rate must be a Python"):
       jax.jit(lambda rate: jflash.flash_attention(
           q, k, v, dropout_rate=rate, dropout_rng=key,
-          implementation="xla"))(0.5)
+          implementation=self.implementation, **self.options))(0.5)
 
+
+test_base.for_each_backend(globals(), DropoutTest)
 
 if __name__ == "__main__":
   absltest.main()

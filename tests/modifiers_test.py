@@ -2,10 +2,9 @@
 
 jax.nn has neither option: the reference is jflash's pure-JAX path (itself
 checked against jax.nn without these options in dispatch_test.py), on
-float32 inputs at HIGHEST precision.
+float32 inputs at HIGHEST precision. Runs per backend (tests/test_base.py):
+the Pallas kernels and the XLA path.
 """
-
-import functools
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -15,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from tests import test_base
 from tests import test_util
 
 
-class ModifiersTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
+class ModifiersTest(test_base.BackendTestCase):
 
   def _check(self, seed, lengths=None, **options):
     shape = {k: options.pop(k) for k in list(options)
@@ -30,10 +29,7 @@ class ModifiersTest(parameterized.TestCase):
       options.update(
           query_seq_lengths=jnp.asarray(lengths[0], jnp.int32),
           key_value_seq_lengths=jnp.asarray(lengths[1], jnp.int32))
-    fn = functools.partial(
-        jflash.flash_attention, implementation="triton",
-        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
-        **options)
+    fn = self.flash(**options)
     results = jax.jit(test_util.value_and_grads, static_argnums=0)(
         fn, q, k, v, dout)
     test_util.assert_close_to_reference(self, results, q, k, v, dout,
@@ -63,20 +59,18 @@ class ModifiersTest(parameterized.TestCase):
 
   def test_bottom_right_equals_top_left_for_square_inputs(self):
     q, k, v, _ = test_util.random_inputs(53, q_len=33, kv_len=33)
-    fn = lambda alignment: jflash.flash_attention(
-        q, k, v, is_causal=True, causal_alignment=alignment,
-        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS)
+    fn = lambda alignment: self.flash(
+        is_causal=True, causal_alignment=alignment)(q, k, v)
     chex.assert_trees_all_equal(fn("bottom_right"), fn("top_left"))
 
   def test_bottom_right_is_kv_cache_prefill(self):
     # 8 new tokens after 24 cached ones: the new rows of full causal
     # attention over all 32 tokens.
+    # The backend's default tiles (block_sizes=None), not the small ones.
     q, k, v, _ = test_util.random_inputs(54, q_len=32, kv_len=32)
-    full = jflash.flash_attention(q, k, v, is_causal=True,
-                                  interpret=self.INTERPRET)
-    prefill = jflash.flash_attention(q[:, 24:], k, v, is_causal=True,
-                                     causal_alignment="bottom_right",
-                                     interpret=self.INTERPRET)
+    full = self.flash(is_causal=True, block_sizes=None)(q, k, v)
+    prefill = self.flash(is_causal=True, causal_alignment="bottom_right",
+                         block_sizes=None)(q[:, 24:], k, v)
     chex.assert_trees_all_close(prefill, full[:, 24:], rtol=1e-5, atol=1e-5)
 
   def test_bad_options(self):
@@ -84,10 +78,16 @@ class ModifiersTest(parameterized.TestCase):
     for cap in (0.0, -1.0, float("inf"), "1"):
       with self.subTest(cap=cap), self.assertRaisesRegex(ValueError,
                                                          "logits_soft_cap"):
-        jflash.flash_attention(q, k, v, logits_soft_cap=cap)
+        jflash.flash_attention(q, k, v, logits_soft_cap=cap,
+                               implementation=self.implementation,
+                               **self.options)
     with self.assertRaisesRegex(ValueError, "causal_alignment"):
-      jflash.flash_attention(q, k, v, causal_alignment="top-left")
+      jflash.flash_attention(q, k, v, causal_alignment="top-left",
+                             implementation=self.implementation,
+                             **self.options)
 
+
+test_base.for_each_backend(globals(), ModifiersTest)
 
 if __name__ == "__main__":
   absltest.main()

@@ -1,4 +1,7 @@
-"""return_residuals=True: the log-sum-exp, and its gradient."""
+"""return_residuals=True: the log-sum-exp, and its gradient.
+
+Runs per backend (tests/test_base.py): the Pallas kernels and the XLA path.
+"""
 
 import functools
 
@@ -10,17 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from tests import test_base
 from tests import test_util
 
 
-class ResidualsTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
+class ResidualsTest(test_base.BackendTestCase):
 
   def _flash(self, **kwargs):
-    return functools.partial(
-        jflash.flash_attention, implementation="triton",
-        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
-        return_residuals=True, **kwargs)
+    return self.flash(return_residuals=True, **kwargs)
 
   @parameterized.named_parameters(
       ("plain", {}), ("causal_gqa", dict(is_causal=True)),
@@ -77,8 +77,8 @@ class ResidualsTest(parameterized.TestCase):
       return (out1 * jnp.exp(lse1[..., None] - lse)
               + out2 * jnp.exp(lse2[..., None] - lse))
 
-    full = lambda q, k, v: jflash.flash_attention(
-        q, k, v, interpret=self.INTERPRET)
+    # Full attention with the backend's default tiles.
+    full = self.flash(block_sizes=None)
     chex.assert_trees_all_close(
         jax.jit(test_util.value_and_grads, static_argnums=0)(
             merged, q, k, v, dout),
@@ -89,10 +89,11 @@ class ResidualsTest(parameterized.TestCase):
     q, k, v, _ = test_util.random_inputs(64, batch=1, q_len=8, kv_len=8)
     out, lse = self._flash()(q[0], k[0], v[0])
     self.assertEqual((out.shape, lse.shape), (q.shape[1:], (8, 2)))
-    out, lse = jflash.flash_attention(q, k[:, :0], v[:, :0],
-                                      return_residuals=True)
+    out, lse = self._flash()(q, k[:, :0], v[:, :0])
     np.testing.assert_array_equal(lse, -np.inf)
 
+
+test_base.for_each_backend(globals(), ResidualsTest)
 
 if __name__ == "__main__":
   absltest.main()

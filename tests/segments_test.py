@@ -1,9 +1,11 @@
-"""Segment ids (packed sequences) in both kernels, against jax.nn.
+"""Segment ids (packed sequences), forward and gradients, against jax.nn.
 
 jax.nn has no segment ids: it gets the equivalent dense boolean mask
 q_ids[b, t] == kv_ids[b, s]. Where rows may see no key at all (jax.nn
 averages the values there, jflash outputs 0), or with options jax.nn lacks,
-the reference is jflash's pure-JAX path, itself checked against jax.nn here.
+the reference is jflash's pure-JAX path, itself checked against jax.nn here
+(on the XLA target). Runs per backend (tests/test_base.py): the Pallas
+kernels and the XLA path; the host-side tile ranges are backend-free.
 """
 
 import functools
@@ -17,6 +19,7 @@ import numpy as np
 
 import jflash
 from jflash._src import masks
+from tests import test_base
 from tests import test_util
 
 
@@ -39,15 +42,11 @@ PACKED = _batch(_ids((0, 13), (1, 30), (2, 27), (3, 1)),
                 _ids((7, 40), (3, 5), (9, 26)))
 
 
-class SegmentsTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
+class SegmentsTest(test_base.BackendTestCase):
 
   def _step(self, **kwargs):
-    """Jitted (q, k, v, dout) -> (out, dq, dk, dv) of the kernels."""
-    fn = functools.partial(
-        jflash.flash_attention, implementation="triton",
-        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
-        **kwargs)
+    """Jitted (q, k, v, dout) -> (out, dq, dk, dv) of the backend."""
+    fn = self.flash(**kwargs)
     return jax.jit(functools.partial(test_util.value_and_grads, fn))
 
   def _results(self, q, k, v, dout, **kwargs):
@@ -118,6 +117,8 @@ class SegmentsTest(parameterized.TestCase):
 
   @parameterized.named_parameters(("full", False), ("causal", True))
   def test_tiles_of_other_segments_are_never_read(self, is_causal):
+    self.require_kernels("tile skipping; the XLA path reads every element "
+                         "by design")
     # Keys 64.. belong to a segment no query has, and queries 32.. to a
     # segment with no key: poison them (and those rows' output cotangents)
     # with NaN. Tile edges (32, 64) are multiples of every SMALL_BLOCKS
@@ -140,22 +141,20 @@ class SegmentsTest(parameterized.TestCase):
     batched = self._results(q, k, v, dout, q_segment_ids=PACKED,
                             kv_segment_ids=PACKED)
     # vmap over unbatched calls: the segment ids fold into the batch too.
-    flash = lambda q, k, v, ids: jflash.flash_attention(
-        q, k, v, interpret=self.INTERPRET,
-        block_sizes=test_util.SMALL_BLOCKS, q_segment_ids=ids,
-        kv_segment_ids=ids)
+    flash = lambda q, k, v, ids: self.flash(
+        q_segment_ids=ids, kv_segment_ids=ids)(q, k, v)
     vmapped = jax.jit(test_util.value_and_grads, static_argnums=0)(
         lambda q, k, v: jax.vmap(flash)(q, k, v, PACKED), q, k, v, dout)
     chex.assert_trees_all_close(vmapped, batched, rtol=1e-6, atol=1e-6)
 
-  def test_xla_path_matches_jax_nn(self):
+  def test_causal_with_lengths_matches_jax_nn(self):
+    # On the XLA target: the check of the path the other tests use as
+    # their reference.
     q, k, v, dout = test_util.random_inputs(86, q_len=71, kv_len=71,
                                             num_heads=4, num_kv_heads=2)
     kwargs = dict(is_causal=True,
                   query_seq_lengths=jnp.array([71, 60], jnp.int32))
-    fn = lambda q, k, v: jflash.flash_attention(
-        q, k, v, implementation="xla", q_segment_ids=PACKED,
-        kv_segment_ids=PACKED, **kwargs)
+    fn = self.flash(q_segment_ids=PACKED, kv_segment_ids=PACKED, **kwargs)
     results = test_util.value_and_grads(fn, q, k, v, dout)
     test_util.assert_close_to_jax_nn(self, results, q, k, v, dout,
                                      mask=_dense_mask(PACKED, PACKED),
@@ -183,15 +182,18 @@ class SegmentsTest(parameterized.TestCase):
                jnp.ones((2, 24, 2, 32)))
     with self.assertRaisesRegex(ValueError, message):
       # Validation runs at trace time, before any kernel is lowered.
-      jax.jit(functools.partial(jflash.flash_attention, interpret=True,
-                                **kwargs)).lower(q, k, v)
+      jax.jit(functools.partial(
+          jflash.flash_attention, implementation=self.implementation,
+          **self.options, **kwargs)).lower(q, k, v)
 
   def test_bad_unbatched_segment_ids(self):
     q, k, v = jnp.ones((16, 4, 32)), jnp.ones((24, 2, 32)), jnp.ones(
         (24, 2, 32))
     with self.assertRaisesRegex(ValueError, r"shape \[T\] = \(16,\)"):
       jflash.flash_attention(q, k, v, q_segment_ids=jnp.zeros((1, 16), int),
-                             kv_segment_ids=jnp.zeros((24,), int))
+                             kv_segment_ids=jnp.zeros((24,), int),
+                             implementation=self.implementation,
+                             **self.options)
 
 
 class SegmentTileRangesTest(parameterized.TestCase):
@@ -249,6 +251,8 @@ class SegmentTileRangesTest(parameterized.TestCase):
           else:
             self.assertEqual(first[b, i], stop[b, i])
 
+
+test_base.for_each_backend(globals(), SegmentsTest)
 
 if __name__ == "__main__":
   absltest.main()

@@ -2,7 +2,8 @@
 
 The reference is written out in jnp: a softmax over each row's logits with
 the sink appended as one more column, that column dropped before the product
-with V.
+with V. Runs per backend (tests/test_base.py): the Pallas kernels and the XLA
+path.
 """
 
 import functools
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from tests import test_base
 from tests import test_util
 
 
@@ -45,14 +47,7 @@ def _sink_attention(q, k, v, sinks, *, is_causal=False, q_lens=None,
   return out.astype(q.dtype)
 
 
-class SinksTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
-
-  def _flash(self, **kwargs):
-    return functools.partial(
-        jflash.flash_attention, implementation="triton",
-        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
-        **kwargs)
+class SinksTest(test_base.BackendTestCase):
 
   @parameterized.named_parameters(
       ("gqa_causal_bfloat16", "bfloat16", True, None),
@@ -73,22 +68,17 @@ class SinksTest(parameterized.TestCase):
     names = ("out", "dq", "dk", "dv", "dsinks")
     args = (q, k, v, sinks)
     reference = functools.partial(_sink_attention, **reference_options)
-    for implementation in ("triton", "xla"):
-      with self.subTest(implementation):
-        flash = (self._flash(**options)
-                 if implementation == "triton"
-                 else functools.partial(jflash.flash_attention,
-                                        implementation="xla", **options))
-        fn = lambda q, k, v, sinks, flash=flash: flash(q, k, v, sinks=sinks)
-        results = jax.jit(test_util.value_and_all_grads, static_argnums=0)(
-            fn, dout, *args)
-        test_util.assert_close_to_function(self, results, reference, args,
-                                           dout, names)
-        if lengths is not None and lengths[1][0] == 0:
-          # Rows without keys: 0, with 0 gradient.
-          out, dq = results[:2]
-          np.testing.assert_array_equal(np.asarray(out[0]), 0.0)
-          np.testing.assert_array_equal(np.asarray(dq[0]), 0.0)
+    flash = self.flash(**options)
+    fn = lambda q, k, v, sinks: flash(q, k, v, sinks=sinks)
+    results = jax.jit(test_util.value_and_all_grads, static_argnums=0)(
+        fn, dout, *args)
+    test_util.assert_close_to_function(self, results, reference, args, dout,
+                                       names)
+    if lengths is not None and lengths[1][0] == 0:
+      # Rows without keys: 0, with 0 gradient.
+      out, dq = results[:2]
+      np.testing.assert_array_equal(np.asarray(out[0]), 0.0)
+      np.testing.assert_array_equal(np.asarray(dq[0]), 0.0)
 
   def test_lse_includes_the_sink(self):
     q, k, v, dout = test_util.random_inputs(82, q_len=40, kv_len=24,
@@ -106,7 +96,7 @@ class SinksTest(parameterized.TestCase):
       (out, lse), vjp = jax.vjp(fn, q, k, v, sinks)
       return (out, lse, *vjp((dout, dlse)))
 
-    ours = jax.jit(results, static_argnums=0)(self._flash(), q, k, v, sinks)
+    ours = jax.jit(results, static_argnums=0)(self.flash(), q, k, v, sinks)
     xla = functools.partial(jflash.flash_attention, implementation="xla")
     with jax.default_matmul_precision("highest"):
       expected = jax.jit(results, static_argnums=0)(xla, q, k, v, sinks)
@@ -133,7 +123,7 @@ class SinksTest(parameterized.TestCase):
     sinks = jnp.array([-jnp.inf, -jnp.inf])
     lengths = dict(query_seq_lengths=jnp.array([40, 20]),
                    key_value_seq_lengths=jnp.array([0, 30]))
-    flash = self._flash(is_causal=True, **lengths)
+    flash = self.flash(is_causal=True, **lengths)
     with_sinks = jax.jit(test_util.value_and_all_grads, static_argnums=0)(
         lambda q, k, v, s: flash(q, k, v, sinks=s), dout, q, k, v, sinks)
     without = jax.jit(test_util.value_and_grads, static_argnums=0)(
@@ -145,9 +135,8 @@ class SinksTest(parameterized.TestCase):
   def test_no_keys_at_all(self):
     q, k, v, _ = test_util.random_inputs(85, q_len=8, kv_len=0)
     sinks = jnp.array([0.25, 3.0])
-    out, lse = jflash.flash_attention(
-        q, k, v, sinks=sinks, return_residuals=True,
-        query_seq_lengths=jnp.array([8, 5]))
+    out, lse = self.flash(sinks=sinks, return_residuals=True,
+                          query_seq_lengths=jnp.array([8, 5]))(q, k, v)
     np.testing.assert_array_equal(out, 0.0)
     np.testing.assert_array_equal(lse[0], np.broadcast_to(sinks, (8, 2)))
     np.testing.assert_array_equal(lse[1, 5:], -np.inf)
@@ -156,7 +145,7 @@ class SinksTest(parameterized.TestCase):
     q, k, v, _ = test_util.random_inputs(86, batch=1, q_len=24, kv_len=24)
     sinks = jax.random.normal(jax.random.key(87), (3, 2))
     mapped = jax.vmap(
-        lambda s: self._flash(is_causal=True)(q, k, v, sinks=s))(sinks)
+        lambda s: self.flash(is_causal=True)(q, k, v, sinks=s))(sinks)
     xla = jax.jit(lambda s: jflash.flash_attention(
         q, k, v, is_causal=True, sinks=s, implementation="xla"))
     for i in range(3):
@@ -173,12 +162,13 @@ class SinksTest(parameterized.TestCase):
   def test_bad_sinks(self, sinks, message):
     q, k, v, _ = test_util.random_inputs(88, q_len=8, kv_len=8, num_heads=4,
                                          num_kv_heads=2)
-    for implementation in ("triton", "xla"):
-      with self.assertRaisesRegex(ValueError, message):
-        jflash.flash_attention(
-            q, k, v, sinks=sinks, implementation=implementation,
-            interpret=self.INTERPRET and implementation == "triton")
+    with self.assertRaisesRegex(ValueError, message):
+      jflash.flash_attention(q, k, v, sinks=sinks,
+                             implementation=self.implementation,
+                             **self.options)
 
+
+test_base.for_each_backend(globals(), SinksTest)
 
 if __name__ == "__main__":
   absltest.main()

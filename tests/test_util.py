@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import chex
 import jax
@@ -140,3 +141,32 @@ def _assert_within_table(test, results, reference, low, dtype,
         error, bound,
         msg=f"{name}: jflash error {error:.3g} > bound {bound:.3g} "
             f"(baseline {dtype.name} error {low_error:.3g})")
+
+
+def kernel_jaxprs(closed_jaxpr) -> list[str]:
+  """The jaxprs of every pallas_call under a jaxpr (nested ones included),
+  in trace order: what runs on the device, without the wrappers around.
+
+  Whitespace is normalized and the context mesh that inner `jit`s record
+  under a mesh (`ctx_mesh=...`, metadata only) is left out.
+  """
+  found = []
+
+  def normalized(text):
+    text = re.sub(r"ctx_mesh=Mesh\((?:[^()]|\([^()]*\))*\)", "", text)
+    text = re.sub(r"\s+", " ", text)
+    return text.replace("[ ", "[").replace(" ]", "]")
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append(normalized(str(eqn.params["jaxpr"])))
+        continue
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else (param,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(closed_jaxpr.jaxpr)
+  return found

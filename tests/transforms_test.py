@@ -1,24 +1,20 @@
-"""jit, vmap, grad, jax.checkpoint, and higher-order derivatives."""
+"""jit, vmap, grad, jax.checkpoint, and higher-order derivatives.
 
-import functools
+Runs per backend (tests/test_base.py): the Pallas kernels, whose passes are
+not differentiable again (higher-order derivatives and forward mode raise),
+and the XLA path, plain JAX (they work, as jax.nn's).
+"""
 
 from absl.testing import absltest
-from absl.testing import parameterized
 import chex
 import jax
 import jax.numpy as jnp
 
-import jflash
+from tests import test_base
 from tests import test_util
 
 
-class TransformsTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
-
-  def _flash(self, **kwargs):
-    return functools.partial(
-        jflash.flash_attention, implementation="triton",
-        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS, **kwargs)
+class TransformsTest(test_base.BackendTestCase):
 
   def _loss(self, fn, dout):
     return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * dout)
@@ -27,7 +23,7 @@ class TransformsTest(parameterized.TestCase):
     q, k, v, dout = test_util.random_inputs(
         20, batch=3, q_len=33, kv_len=40, num_heads=4, num_kv_heads=2)
     # Treat the batch axis as a vmapped axis over unbatched [T, N, H] inputs.
-    fn = self._flash(is_causal=True)
+    fn = self.flash(is_causal=True)
     loss = self._loss(fn, dout[0])
     value_and_grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
     vmapped = jax.jit(jax.vmap(value_and_grad))(q, k, v)
@@ -38,7 +34,7 @@ class TransformsTest(parameterized.TestCase):
   def test_nested_vmap_and_unbatched_operands(self):
     q, k, v, dout = test_util.random_inputs(21, batch=2, q_len=20, kv_len=24)
     q2 = jnp.stack([q, 2.0 * q])  # [2, B, T, N, H]: two vmapped axes.
-    fn = self._flash()
+    fn = self.flash()
     # Outer vmap over q only (k, v shared), inner vmap over the batch axis.
     inner = jax.vmap(fn)
     outer = jax.jit(jax.vmap(inner, in_axes=(0, None, None)))
@@ -49,7 +45,7 @@ class TransformsTest(parameterized.TestCase):
   def test_vmap_of_lengths(self):
     q, k, v, _ = test_util.random_inputs(22, batch=1, q_len=30, kv_len=30)
     kv_lens = jnp.array([[7], [30], [0]], jnp.int32)
-    fn = lambda lengths: self._flash(key_value_seq_lengths=lengths)(q, k, v)
+    fn = lambda lengths: self.flash(key_value_seq_lengths=lengths)(q, k, v)
     vmapped = jax.vmap(fn)(kv_lens)
     for i in range(3):
       chex.assert_trees_all_close(vmapped[i], fn(kv_lens[i]), rtol=1e-6,
@@ -57,7 +53,7 @@ class TransformsTest(parameterized.TestCase):
 
   def test_checkpoint_gives_same_gradients(self):
     q, k, v, dout = test_util.random_inputs(23, q_len=40, kv_len=40)
-    loss = self._loss(self._flash(is_causal=True), dout)
+    loss = self._loss(self.flash(is_causal=True), dout)
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     remat_grads = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(
         q, k, v)
@@ -65,22 +61,43 @@ class TransformsTest(parameterized.TestCase):
 
   def test_jit_matches_eager(self):
     q, k, v, _ = test_util.random_inputs(24, q_len=17, kv_len=33)
-    fn = self._flash(is_causal=True)
+    fn = self.flash(is_causal=True)
     chex.assert_trees_all_close(jax.jit(fn)(q, k, v), fn(q, k, v),
                                 rtol=1e-6, atol=1e-6)
 
-  def test_higher_order_derivatives_raise(self):
+  def test_higher_order_derivatives(self):
     q, k, v, dout = test_util.random_inputs(25, q_len=16, kv_len=16)
-    loss = self._loss(self._flash(), dout)
-    grad_norm = lambda q: jnp.sum(jax.grad(loss)(q, k, v) ** 2)
-    with self.assertRaisesRegex(NotImplementedError, "higher-order"):
-      jax.grad(grad_norm)(q)
+    grad_norm = lambda fn: lambda q: jnp.sum(
+        jax.grad(self._loss(fn, dout))(q, k, v) ** 2)
+    if not self.backend.differentiable:
+      with self.assertRaisesRegex(NotImplementedError, "higher-order"):
+        jax.grad(grad_norm(self.flash()))(q)
+      return
+    # Plain JAX: grad of grad works, as jax.nn's. HIGHEST: on a GPU the
+    # default precision of a float32 einsum is TF32.
+    with jax.default_matmul_precision("highest"):
+      ours = jax.grad(grad_norm(self.flash()))(q)
+      expected = jax.grad(grad_norm(jax.nn.dot_product_attention))(q)
+    chex.assert_tree_all_finite(ours)
+    chex.assert_trees_all_close(ours, expected, rtol=1e-4, atol=1e-4)
 
-  def test_forward_mode_raises(self):
+  def test_forward_mode(self):
     q, k, v, _ = test_util.random_inputs(26, q_len=16, kv_len=16)
-    with self.assertRaises(TypeError):  # jax: no jvp of a custom_vjp function.
-      jax.jvp(self._flash(), (q, k, v), (q, k, v))
+    if not self.backend.differentiable:
+      # jax: no jvp of a custom_vjp function.
+      with self.assertRaises(TypeError):
+        jax.jvp(self.flash(), (q, k, v), (q, k, v))
+      return
+    # Plain JAX: forward mode works, as jax.nn's (HIGHEST: as above).
+    with jax.default_matmul_precision("highest"):
+      ours = jax.jvp(self.flash(), (q, k, v), (q, k, v))
+      expected = jax.jvp(jax.nn.dot_product_attention, (q, k, v),
+                         (q, k, v))
+    chex.assert_tree_all_finite(ours)
+    chex.assert_trees_all_close(ours, expected, rtol=1e-5, atol=1e-5)
 
+
+test_base.for_each_backend(globals(), TransformsTest)
 
 if __name__ == "__main__":
   absltest.main()

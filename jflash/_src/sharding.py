@@ -19,7 +19,7 @@ mechanisms chosen at trace time from the query's type (`placement`):
   `custom_partitioning` (`partitioned`) whose callback sees the shardings
   XLA's partitioner (Shardy) chose and runs the pass per shard; the
   backward sums a broadcast bias's gradient itself.
-- "single": one device: nothing is added.
+- "single": one device and no Explicit mesh: nothing is added.
 
 Why two mechanisms: the shardings of an Auto mesh are decided after tracing,
 so only `custom_partitioning` sees them; and `custom_partitioning` fails on
@@ -76,8 +76,9 @@ def placement(query: jax.Array) -> str:
   if aval.mat.varying or (not context.empty and context.manual_axes):
     return MANUAL
   mesh = aval.sharding.mesh
-  if (not mesh.empty and mesh.size > 1
-      and jax.sharding.AxisType.Explicit in mesh.axis_types):
+  if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
+    # Also for a mesh of one device: kernels cannot index refs whose type
+    # says "sharded", and shard_map hands them plain local arrays.
     return EXPLICIT
   if jax.device_count() == 1:
     return SINGLE

@@ -1,0 +1,280 @@
+"""Batch and head sharding on 8 CPU devices, per backend (sharding.py).
+
+The cases need 8 devices, which must be set before JAX starts: the suite's
+own process has one, so `EightDevicesTest` runs this file again in a
+subprocess with JFLASH_TEST_CPU_DEVICES=8 (conftest.py) and fails with its
+output if any case fails. In the suite's process the per-backend cases skip,
+saying so; in the subprocess they run.
+
+Each case compares forward and gradients with the unsharded call, checks that
+outputs and gradients keep the inputs' sharding, and that the compiled HLO
+gathers none of q, k, v (an all-gather of a replicated bias's gradient is
+expected: the user's bias is replicated, its gradient must be too).
+"""
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+import jflash
+from jflash._src import sharding
+from tests import test_base
+from tests import test_util
+
+DEVICES = 8
+B, T, N, K, H = 4, 40, 8, 4, 16
+MESH_SHAPE, MESH_AXES = (2, 4), ("data", "model")
+LAYOUTS = {"batch": P("data", None, None, None),
+           "heads": P(None, None, "model", None),
+           "batch_heads": P("data", None, "model", None)}
+
+
+def _mesh(kind):
+  types = (AxisType.Explicit if kind == "explicit" else AxisType.Auto,) * 2
+  return jax.make_mesh(MESH_SHAPE, MESH_AXES, axis_types=types)
+
+
+def _inputs(seed=0, num_kv_heads=K):
+  q, k, v, dout = test_util.random_inputs(
+      seed, batch=B, q_len=T, kv_len=T, num_heads=N,
+      num_kv_heads=num_kv_heads, head_dim=H)
+  return q, k, v, dout
+
+
+def _options(seed=1):
+  """Lengths, segment ids, a head-broadcast bias and sinks: every operand
+  kind the layout table has."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  ids = jnp.asarray(np.stack([np.arange(T) // 11] * B), jnp.int32)
+  return dict(
+      is_causal=True, query_seq_lengths=jnp.array([T, 31, 17, T]),
+      key_value_seq_lengths=jnp.array([T, T, 25, 9]),
+      q_segment_ids=ids, kv_segment_ids=ids,
+      bias=jax.random.normal(keys[0], (1, N, T, T)),
+      sinks=jax.random.normal(keys[1], (N,)))
+
+
+def _gathers_of(hlo: str, shapes) -> list[str]:
+  """All-gather instructions of the HLO whose result has one of `shapes`."""
+  found = []
+  for line in hlo.splitlines():
+    match = re.search(r"= \w+\[([\d,]*)\][^ ]* all-gather(-start)?\(", line)
+    if match:
+      shape = tuple(int(d) for d in match.group(1).split(",") if d)
+      if shape in shapes:
+        found.append(line.strip())
+  return found
+
+
+@contextlib.contextmanager
+def _interpret_under_check_vma():
+  """Lets the Pallas interpreter run inside shard_map(check_vma=True).
+
+  JAX 0.11.2's interpreter lowers a kernel with its inputs' manual-axis
+  types but traces the kernel without them, and fails ("Primitive
+  dynamic_slice requires varying manual axes to match"). Compiled kernels
+  do not go through it. For this test only, the interpreter's lowering gets
+  vma-free types; the shard_map around it still checks everything else.
+  """
+  from jax._src import config  # pylint: disable=g-import-not-at-top
+  from jax._src import core  # pylint: disable=g-import-not-at-top
+  from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
+  from jax._src.pallas import pallas_call  # pylint: disable=g-import-not-at-top
+  primitive = pallas_call.pallas_call_p
+  lowerings = mlir._lowerings  # pylint: disable=protected-access
+  original = lowerings[primitive]
+
+  def lowering(ctx, *args, interpret, **params):
+    if interpret:
+      strip = lambda a: a.update_manual_axis_type(core.empty_mat)
+      ctx = ctx.replace(avals_in=[strip(a) for a in ctx.avals_in],
+                        avals_out=[strip(a) for a in ctx.avals_out])
+      with config._check_vma(False):  # pylint: disable=protected-access
+        return original.rule(ctx, *args, interpret=interpret, **params)
+    return original.rule(ctx, *args, interpret=interpret, **params)
+
+  mlir.register_lowering(primitive, lowering, inline=original.inline)
+  try:
+    yield
+  finally:
+    lowerings[primitive] = original
+
+
+class ShardingTest(test_base.BackendTestCase):
+
+  def setUp(self):
+    super().setUp()
+    if jax.device_count() < DEVICES:
+      self.skipTest(f"needs {DEVICES} devices: runs in EightDevicesTest's "
+                    "subprocess")
+
+  def _loss_and_grads(self, fn, dout, *args):
+    def loss(*args):
+      return jnp.sum(fn(*args).astype(jnp.float32) * dout)
+    return jax.jit(fn), jax.jit(jax.grad(loss, argnums=range(len(args))))
+
+  def _check_sharded(self, mesh_kind, layout, options, dtype="float32"):
+    q, k, v, dout = _inputs()
+    q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
+    bias = options.pop("bias", None)
+    flash = self.flash(**options)
+    args = (q, k, v) if bias is None else (q, k, v, bias)
+    fn = lambda *a: flash(*a)
+    forward, grads = self._loss_and_grads(fn, dout, *args)
+    expected_out, expected_grads = forward(*args), grads(*args)
+
+    mesh = _mesh(mesh_kind)
+    spec = LAYOUTS[layout]
+    with jax.set_mesh(mesh):
+      put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+      sharded = [put(x, spec) for x in (q, k, v)]
+      if bias is not None:
+        sharded.append(put(bias, P()))
+      forward, grads = self._loss_and_grads(fn, put(dout, spec), *sharded)
+      out = forward(*sharded)
+      grad_values = grads(*sharded)
+      hlo = (forward.lower(*sharded).compile().as_text()
+             + grads.lower(*sharded).compile().as_text())
+    chex.assert_trees_all_close(out, expected_out, atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(grad_values, expected_grads, atol=1e-5,
+                                rtol=1e-5)
+    self.assertEqual(out.sharding.spec, spec)
+    for name, grad in zip("qkv", grad_values[:3]):
+      self.assertEqual(grad.sharding.spec, spec, msg=f"d{name}")
+    self.assertEqual(
+        _gathers_of(hlo, {q.shape, k.shape, (B, T, N), (B, N, T)}), [])
+    return hlo
+
+  @parameterized.product(mesh_kind=("explicit", "auto"),
+                         layout=("batch", "heads"))
+  def test_plain_call(self, mesh_kind, layout):
+    self._check_sharded(mesh_kind, layout, {})
+
+  @parameterized.parameters("explicit", "auto")
+  def test_every_operand_kind(self, mesh_kind):
+    self._check_sharded(mesh_kind, "batch_heads", _options())
+
+  def _skip_where_xla_partitions_itself(self, mesh_kind):
+    if mesh_kind == "auto" and not self.runs_kernels:
+      self.skipTest(f"{self.implementation} is plain JAX: on an Auto mesh "
+                    "XLA's partitioner distributes it as it is, with the "
+                    "communication any sharding needs")
+
+  @parameterized.parameters("explicit", "auto")
+  def test_sharded_sequence_is_refused(self, mesh_kind):
+    self._skip_where_xla_partitions_itself(mesh_kind)
+    q, k, v, _ = _inputs()
+    mesh = _mesh(mesh_kind)
+    with jax.set_mesh(mesh):
+      put = lambda x: jax.device_put(x, NamedSharding(
+          mesh, P(None, "model", None, None)))
+      # Explicit meshes: a ValueError at trace time; Auto meshes: the
+      # partitioner's callback raises it at compile time, and JAX reports
+      # it as a runtime error carrying the message.
+      with self.assertRaisesRegex(Exception, "context parallelism"):
+        jax.jit(self.flash()).lower(put(q), put(k), put(v)).compile()
+
+  @parameterized.parameters("explicit", "auto")
+  def test_heads_must_hold_whole_groups(self, mesh_kind):
+    self._skip_where_xla_partitions_itself(mesh_kind)
+    q, k, v, _ = _inputs(num_kv_heads=2)  # 2 kv heads, 4 head shards.
+    mesh = _mesh(mesh_kind)
+    with jax.set_mesh(mesh):
+      put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+      args = (put(q, P(None, None, "model", None)), put(k, P()), put(v, P()))
+      with self.assertRaisesRegex(Exception, "num_kv_heads=2"):
+        jax.jit(self.flash()).lower(*args).compile()
+
+  @parameterized.parameters(False, True)
+  def test_inside_a_user_shard_map(self, check_vma):
+    q, k, v, dout = _inputs()
+    bias = _options()["bias"]
+    mesh = _mesh("auto")
+    flash = self.flash(is_causal=True)
+    fn = lambda q, k, v, bias: flash(q, k, v, bias)
+    loss = lambda *a: jnp.sum(fn(*a) * dout)
+    expected = (fn(q, k, v, bias),
+                jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias))
+    spec = LAYOUTS["batch_heads"]
+    inner = jax.shard_map(
+        fn, mesh=mesh, in_specs=(spec, spec, spec, P(None, "model")),
+        out_specs=spec, check_vma=check_vma)
+    sharded_loss = lambda *a: jnp.sum(inner(*a) * dout)
+    patch = (_interpret_under_check_vma() if check_vma and self.interpret
+             else contextlib.nullcontext())
+    with jax.set_mesh(mesh), patch:
+      result = (jax.jit(inner)(q, k, v, bias),
+                jax.jit(jax.grad(sharded_loss, argnums=(0, 1, 2, 3)))(
+                    q, k, v, bias))
+    chex.assert_trees_all_close(result, expected, atol=1e-5, rtol=1e-5)
+
+  def test_vmap_of_sharded_inputs(self):
+    q, k, v, _ = _inputs()
+    stacked = [jnp.stack([x, 2.0 * x]) for x in (q, k, v)]
+    expected = jax.vmap(self.flash())(*stacked)
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+      sharded = [jax.device_put(x, NamedSharding(
+          mesh, P(None, "data", None, "model", None))) for x in stacked]
+      out = jax.jit(jax.vmap(self.flash()))(*sharded)
+    chex.assert_trees_all_close(out, expected, atol=1e-5, rtol=1e-5)
+
+  @parameterized.parameters("explicit", "auto")
+  def test_one_device_mesh_runs_the_same_kernels(self, mesh_kind):
+    q, k, v, dout = _inputs()
+    types = (AxisType.Explicit if mesh_kind == "explicit"
+             else AxisType.Auto,)
+    mesh = jax.make_mesh((1,), ("data",), axis_types=types,
+                         devices=jax.devices()[:1])
+    fn = lambda *a: test_util.value_and_grads(self.flash(), *a, dout)
+    plain = jax.make_jaxpr(fn)(q, k, v)
+    with jax.set_mesh(mesh):
+      sharded = [jax.device_put(x, NamedSharding(mesh, P("data")))
+                 for x in (q, k, v)]
+      self.assertEqual(sharding.placement(sharded[0]),
+                       sharding.EXPLICIT if mesh_kind == "explicit"
+                       else sharding.PARTITIONED)
+      on_mesh = jax.make_jaxpr(fn)(*sharded)
+      results = jax.jit(fn)(*sharded)
+    self.assertEqual(test_util.kernel_jaxprs(on_mesh),
+                     test_util.kernel_jaxprs(plain))
+    chex.assert_trees_all_close(results, jax.jit(fn)(q, k, v), atol=1e-6,
+                                rtol=1e-6)
+
+
+test_base.for_each_backend(globals(), ShardingTest)
+
+
+class EightDevicesTest(absltest.TestCase):
+  """Runs this file's cases in a subprocess with 8 CPU devices."""
+
+  @absltest.skipIf(jax.device_count() >= DEVICES,
+                   "this process has the devices: the cases run here")
+  def test_cases_pass_on_eight_cpu_devices(self):
+    env = dict(os.environ, JFLASH_TEST_CPU_DEVICES=str(DEVICES),
+               JAX_PLATFORMS="cpu")
+    env.pop("JFLASH_TEST_ON_GPU", None)  # Kernels interpreted on the CPU.
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-p", "no:xdist", "-k", "ShardingTest", __file__],
+        env=env, capture_output=True, text=True, check=False,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    self.assertEqual(result.returncode, 0,
+                     msg=result.stdout[-20000:] + result.stderr[-5000:])
+    self.assertNotIn(" skipped", result.stdout.splitlines()[-1])
+
+
+if __name__ == "__main__":
+  absltest.main()
