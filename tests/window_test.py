@@ -1,6 +1,4 @@
-"""Local (sliding) windows in both kernels, against jax.nn."""
-
-import functools
+"""Local (sliding) windows, against jax.nn; per backend (test_base.py)."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -9,17 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from tests import test_base
 from tests import test_util
 
 
-class WindowTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
+class WindowTest(test_base.BackendTestCase):
 
   def _results(self, q, k, v, dout, **kwargs):
-    fn = functools.partial(
-        jflash.flash_attention, implementation="triton",
-        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS,
-        **kwargs)
+    fn = self.flash(**kwargs)
     return jax.jit(test_util.value_and_grads, static_argnums=0)(
         fn, q, k, v, dout)
 
@@ -39,6 +34,7 @@ class WindowTest(parameterized.TestCase):
 
   def test_with_lengths_and_bottom_right(self):
     # jax.nn has no bottom-right alignment: compare with jflash's XLA path.
+    self.require_independent_reference()
     q, k, v, dout = test_util.random_inputs(71, q_len=40, kv_len=90)
     kwargs = dict(local_window_size=(12, 0), is_causal=True,
                   causal_alignment="bottom_right",
@@ -59,12 +55,12 @@ class WindowTest(parameterized.TestCase):
   def test_far_tiles_are_not_visited(self):
     # The same result whatever lies outside the band: poison keys and
     # values far from every row's window with NaN.
+    self.require_kernels("tile skipping; the XLA path reads every element "
+                         "by design")
     q, k, v, _ = test_util.random_inputs(73, batch=1, q_len=32, kv_len=128)
     poisoned_k = k.at[:, 64:].set(jnp.nan)
     poisoned_v = v.at[:, 64:].set(jnp.nan)
-    flash = functools.partial(
-        jflash.flash_attention, local_window_size=(8, 8),
-        interpret=self.INTERPRET, block_sizes=test_util.SMALL_BLOCKS)
+    flash = self.flash(local_window_size=(8, 8))
     np.testing.assert_array_equal(flash(q, poisoned_k, poisoned_v),
                                   flash(q, k, v))
 
@@ -74,8 +70,12 @@ class WindowTest(parameterized.TestCase):
   def test_bad_window(self, window):
     q, k, v, _ = test_util.random_inputs(74, q_len=8, kv_len=8)
     with self.assertRaisesRegex(ValueError, "local_window_size"):
-      jflash.flash_attention(q, k, v, local_window_size=window)
+      jflash.flash_attention(q, k, v, local_window_size=window,
+                             implementation=self.implementation,
+                             **self.options)
 
+
+test_base.for_each_backend(globals(), WindowTest)
 
 if __name__ == "__main__":
   absltest.main()
