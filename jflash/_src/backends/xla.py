@@ -77,7 +77,11 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   group = num_heads // num_kv_heads
   # Query head h reads key/value head h // group: split heads as (kv, group).
   q = q.reshape(batch, q_seq, num_kv_heads, group, head_dim)
-  logits = jnp.einsum("btkgd,bskd->bkgts", q, k,
+  # float32 inputs get IEEE float32 products, as in the kernels (a GPU's
+  # default for float32 is TF32, about 3e-4 relative error).
+  precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
+               else None)
+  logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision,
                       preferred_element_type=jnp.float32) * scale
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
@@ -130,6 +134,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     keep = keep.reshape(batch, num_kv_heads, group, q_seq, kv_seq)
     probs = jnp.where(keep, probs * (1.0 / (1.0 - dropout_rate)), 0.0)
   out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                   precision=precision,
                    preferred_element_type=jnp.float32)
   out = out.reshape(batch, q_seq, num_heads, head_dim).astype(q.dtype)
   if not return_lse:

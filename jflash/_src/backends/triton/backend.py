@@ -53,16 +53,25 @@ def tuned_block_sizes(path: str | None = None, **shape: Any
 
 
 def configure(spec: CallSpec, options: dict[str, Any]) -> TritonConfig:
-  """The call's tiles (user's, tuned, or default) and interpret flag."""
+  """The call's tiles (user's, tuned, or default) and interpret flag.
+
+  Calls with a dense bias or mask never take autotuned tiles (the tuning
+  runs without them, and their tiles need shared memory of their own): the
+  heuristic counts their tiles (a bias as float32, the worst case).
+  """
   block_sizes = options.get("block_sizes")
   if block_sizes is None:
     shape = dict(q_len=spec.q_len, kv_len=spec.kv_len,
                  head_dim=spec.head_dim, dtype=spec.dtype,
                  is_causal=spec.mask.is_causal,
                  device_kind=platform.device_kind())
-    block_sizes = (tuned_block_sizes(num_heads=spec.num_heads,
-                                     num_kv_heads=spec.num_kv_heads, **shape)
-                   or default_block_sizes(**shape))
+    dense_itemsize = 4 * spec.has_bias + 1 * spec.mask.has_dense_mask
+    if not dense_itemsize:
+      block_sizes = tuned_block_sizes(num_heads=spec.num_heads,
+                                      num_kv_heads=spec.num_kv_heads,
+                                      **shape)
+    block_sizes = block_sizes or default_block_sizes(
+        **shape, dense_itemsize=dense_itemsize)
   return TritonConfig(block_sizes=block_sizes,
                       interpret=bool(options.get("interpret", False)))
 

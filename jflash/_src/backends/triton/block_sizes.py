@@ -113,23 +113,32 @@ def shared_memory_limit(device_kind: str) -> int:
 
 
 def forward_shared_memory(block_q: int, block_k: int, num_stages: int, *,
-                          head_dim: int, itemsize: int) -> int:
-  """Estimate: one q tile plus `num_stages` buffered k and v tiles."""
+                          head_dim: int, itemsize: int,
+                          dense_itemsize: int = 0) -> int:
+  """Estimate: one q tile plus `num_stages` buffered k and v tiles (and
+  [block_q, block_k] bias / mask tiles of `dense_itemsize` bytes per
+  element, summed over the dense operands)."""
   return (itemsize * tiles.head_dim_padded(head_dim)
-          * (block_q + 2 * num_stages * block_k))
+          * (block_q + 2 * num_stages * block_k)
+          + dense_itemsize * num_stages * block_q * block_k)
 
 
 def backward_shared_memory(block_q_dkv: int, block_k_dkv: int,
                            block_q_dq: int, block_k_dq: int, num_stages: int,
-                           *, head_dim: int, itemsize: int) -> int:
+                           *, head_dim: int, itemsize: int,
+                           dense_itemsize: int = 0) -> int:
   """Estimate for the larger backward kernel (resident + buffered tiles).
 
   dK/dV keeps k and v tiles and streams q and dO tiles; dQ keeps q and dO
-  tiles and streams k and v tiles.
+  tiles and streams k and v tiles; both stream bias / mask tiles
+  (`dense_itemsize` bytes per element, as in `forward_shared_memory`).
   """
-  dkv = 2 * block_k_dkv + 2 * num_stages * block_q_dkv
-  dq = 2 * block_q_dq + 2 * num_stages * block_k_dq
-  return itemsize * tiles.head_dim_padded(head_dim) * max(dkv, dq)
+  row_bytes = itemsize * tiles.head_dim_padded(head_dim)
+  dkv = (row_bytes * (2 * block_k_dkv + 2 * num_stages * block_q_dkv)
+         + dense_itemsize * num_stages * block_q_dkv * block_k_dkv)
+  dq = (row_bytes * (2 * block_q_dq + 2 * num_stages * block_k_dq)
+        + dense_itemsize * num_stages * block_q_dq * block_k_dq)
+  return max(dkv, dq)
 
 
 # Preference lists, best first. The first entry of each 16-bit list is the
@@ -137,9 +146,10 @@ def backward_shared_memory(block_q_dkv: int, block_k_dkv: int,
 # smaller fallbacks for devices with less shared memory (not yet measured).
 # Forward: (block_q, block_k, num_warps, num_stages).
 _FORWARD_PREFERENCES = {
-    (2, 64): ((128, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)),
+    (2, 64): ((128, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2),
+              (32, 32, 4, 1)),
     (2, 128): ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 2),
-               (64, 64, 4, 2)),
+               (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)),
     # D=256: 64x64 w4 s3 won a tile sweep at 2 x 4096 (causal +6%) but lost
     # 3-24% across the issue-4 sweep (H200, 2026-11-23): not used.
     (2, 256): ((128, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1)),
@@ -193,6 +203,7 @@ def default_block_sizes(
     dtype: Any,
     is_causal: bool,
     device_kind: str,
+    dense_itemsize: int = 0,
 ) -> BlockSizes:
   """Chooses tile sizes for one problem shape (the one heuristic).
 
@@ -209,6 +220,9 @@ def default_block_sizes(
     is_causal: whether the causal mask is applied (short causal sequences
       take narrower key tiles).
     device_kind: `jax.Device.device_kind`, e.g. "NVIDIA H100 80GB HBM3".
+    dense_itemsize: bytes per score element of the dense operands the
+      kernels stream tile by tile (a bias's itemsize plus 1 for a mask; 0
+      without either): their tiles take shared memory too.
 
   Returns:
     A `BlockSizes` with every tile no larger than needed for the lengths.
@@ -224,12 +238,14 @@ def default_block_sizes(
     forward = (_SHORT_CAUSAL_FORWARD, *forward)
   block_q, block_k, num_warps, num_stages = next(
       (c for c in forward if forward_shared_memory(
-          c[0], c[1], c[3], head_dim=head_dim, itemsize=itemsize) <= limit),
+          c[0], c[1], c[3], head_dim=head_dim, itemsize=itemsize,
+          dense_itemsize=dense_itemsize) <= limit),
       forward[-1])
   backward = _preferences(_BACKWARD_PREFERENCES, itemsize, head_dim)
   q_dkv, k_dkv, q_dq, k_dq, warps_bwd, stages_bwd = next(
       (c for c in backward if backward_shared_memory(
-          *c[:4], c[5], head_dim=head_dim, itemsize=itemsize) <= limit),
+          *c[:4], c[5], head_dim=head_dim, itemsize=itemsize,
+          dense_itemsize=dense_itemsize) <= limit),
       backward[-1])
   return BlockSizes(
       block_q=_clamp_to_length(block_q, q_len),
