@@ -342,21 +342,12 @@ def dkv_call(operands: Operands, do, lse, delta, *, spec: CallSpec,
   specs = dict(q=q_group_spec, k=kv_spec, v=kv_spec, do=q_group_spec,
                lse=stats_group_spec, delta=stats_group_spec,
                q_lengths=lengths_spec, kv_lengths=lengths_spec)
-  if operands.q_segment_ids is not None:
-    # Per key tile, the query tiles its segments can meet.
-    segments = kernel_inputs.segment_inputs(operands, block_q, block_k,
-                                            own_axis="kv")
-    arrays.update(segments[0])
-    specs.update(segments[1])
-  for name in ("bias", "mask"):
-    operand = getattr(operands, name)
-    if operand is not None:
-      arrays[name] = operand
-      specs[name] = dense.block_spec(operand, batch, group=group)
-  modifier_operands = kernel_inputs.modifier_operands(
-      mods, operands.sinks, operands.alibi_slopes, operands.dropout_seeds)
-  arrays.update(modifier_operands)
-  specs.update(kernel_inputs.modifier_specs(modifier_operands, num_heads))
+  # Per key tile, the query tiles its segments can meet.
+  optional_arrays, optional_specs = kernel_inputs.optional_inputs(
+      operands, mods, block_q=block_q, block_k=block_k, own_axis="kv",
+      dense_spec=lambda x: dense.block_spec(x, batch, group=group))
+  arrays.update(optional_arrays)
+  specs.update(optional_specs)
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(kv_seq, block_k), batch, num_kv_heads),

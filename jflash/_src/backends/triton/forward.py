@@ -222,23 +222,13 @@ def query_tile_inputs(operands: Operands, mods: ModifierSpec, *,
                kv_lengths=lengths_spec,
                **{name: q_spec if name == "do" else stats_spec
                   for name in backward_inputs})
-  if operands.q_segment_ids is not None:
-    # Per query tile, the key tiles its segments can meet.
-    segments = kernel_inputs.segment_inputs(
-        operands, block_q, block_k, own_axis="q", order=order)
-    arrays.update(segments[0])
-    specs.update(segments[1])
-  for name in ("bias", "mask"):
-    operand = getattr(operands, name)
-    if operand is not None:
-      arrays[name] = operand
-      specs[name] = dense.block_spec(operand, batch, order=order)
-  modifier_operands = kernel_inputs.modifier_operands(
-      mods, operands.sinks, operands.alibi_slopes, operands.dropout_seeds)
-  arrays.update(modifier_operands)
-  specs.update(kernel_inputs.modifier_specs(modifier_operands, num_heads,
-                                            order))
-  return KernelInputs(**arrays), KernelInputs(**specs)
+  # Per query tile, the key tiles its segments can meet.
+  optional_arrays, optional_specs = kernel_inputs.optional_inputs(
+      operands, mods, block_q=block_q, block_k=block_k, own_axis="q",
+      dense_spec=lambda x: dense.block_spec(x, batch, order=order),
+      order=order)
+  return (KernelInputs(**arrays, **optional_arrays),
+          KernelInputs(**specs, **optional_specs))
 
 
 def head_axis(q_tile_axis: int) -> int:

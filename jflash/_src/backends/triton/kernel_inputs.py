@@ -100,6 +100,38 @@ def modifier_specs(operands: dict[str, Any], num_heads: int,
   return {name: None if x is None else spec() for name, x in operands.items()}
 
 
+def optional_inputs(operands, mods: ModifierSpec, *, block_q: int,
+                    block_k: int, own_axis: str, dense_spec,
+                    order=lambda f: f):
+  """(arrays, BlockSpecs) of the optional `KernelInputs` fields present.
+
+  Args:
+    operands: a `spec.Operands` with filled lengths (and an int8 mask).
+    mods: the modifiers the kernel applies.
+    block_q, block_k: the kernel's tiles.
+    own_axis: as `segment_inputs`'s.
+    dense_spec: the BlockSpec of a dense bias or mask operand.
+    order: as `forward.query_tile_grid`'s.
+  """
+  arrays, specs = {}, {}
+  if operands.q_segment_ids is not None:
+    segment_arrays, segment_specs = segment_inputs(
+        operands, block_q, block_k, own_axis=own_axis, order=order)
+    arrays.update(segment_arrays)
+    specs.update(segment_specs)
+  for name in ("bias", "mask"):
+    operand = getattr(operands, name)
+    if operand is not None:
+      arrays[name] = operand
+      specs[name] = dense_spec(operand)
+  modifiers_present = modifier_operands(
+      mods, operands.sinks, operands.alibi_slopes, operands.dropout_seeds)
+  arrays.update(modifiers_present)
+  specs.update(modifier_specs(modifiers_present,
+                              operands.query.shape[2], order))
+  return arrays, specs
+
+
 def segment_inputs(operands, block_q: int, block_k: int, *, own_axis: str,
                    order=lambda f: f):
   """(arrays, BlockSpecs) of the segment fields, for grids (tile, batch, head).
