@@ -77,6 +77,16 @@ def _gathers_of(hlo: str, shapes) -> list[str]:
   return found
 
 
+def _value_and_grads(fn, dout):
+  """One program: fn's output and the gradients of <fn, dout>."""
+
+  def value_and_grads(*args):
+    out, vjp = jax.vjp(fn, *args)
+    return out, vjp(dout.astype(out.dtype))
+
+  return value_and_grads
+
+
 _UNSHARDED = {}
 
 
@@ -129,23 +139,13 @@ class ShardingTest(test_base.BackendTestCase):
       self.skipTest(f"needs {DEVICES} devices: runs in EightDevicesTest's "
                     "subprocess")
 
-  @staticmethod
-  def _value_and_grads(fn, dout):
-    """One program: fn's output and the gradients of <fn, dout>."""
-
-    def value_and_grads(*args):
-      out, vjp = jax.vjp(fn, *args)
-      return out, vjp(dout.astype(out.dtype))
-
-    return value_and_grads
-
   def _check_sharded(self, mesh_kind, layout, options):
     q, k, v, dout = _inputs()
     bias = options.pop("bias", None)
     flash = self.flash(**options)
     args = (q, k, v) if bias is None else (q, k, v, bias)
     fn = lambda *a: flash(*a)
-    expected = _unsharded(self._value_and_grads(fn, dout), args,
+    expected = _unsharded(_value_and_grads(fn, dout), args,
                           key=(self.implementation, bool(options)))
 
     mesh = _mesh(mesh_kind)
@@ -155,7 +155,7 @@ class ShardingTest(test_base.BackendTestCase):
       sharded = [put(x, spec) for x in (q, k, v)]
       if bias is not None:
         sharded.append(put(bias, P()))
-      compiled = jax.jit(self._value_and_grads(fn, put(dout, spec))).lower(
+      compiled = jax.jit(_value_and_grads(fn, put(dout, spec))).lower(
           *sharded).compile()
       out, grads = compiled(*sharded)
     chex.assert_trees_all_close((out, grads), expected, atol=1e-5,
@@ -216,7 +216,7 @@ class ShardingTest(test_base.BackendTestCase):
     flash = self.flash(is_causal=True)
     fn = lambda q, k, v, bias: flash(q, k, v, bias)
     args = (q, k, v, bias)
-    expected = _unsharded(self._value_and_grads(fn, dout), args,
+    expected = _unsharded(_value_and_grads(fn, dout), args,
                           key=(self.implementation, "user shard_map"))
     spec = LAYOUTS["batch_heads"]
     inner = jax.shard_map(
@@ -225,7 +225,7 @@ class ShardingTest(test_base.BackendTestCase):
     patch = (_interpret_under_check_vma() if check_vma and self.interpret
              else contextlib.nullcontext())
     with jax.set_mesh(mesh), patch:
-      result = jax.jit(self._value_and_grads(inner, dout))(*args)
+      result = jax.jit(_value_and_grads(inner, dout))(*args)
     chex.assert_trees_all_close(result, expected, atol=1e-5, rtol=1e-5)
 
   def test_vmap_of_sharded_inputs(self):
@@ -239,6 +239,11 @@ class ShardingTest(test_base.BackendTestCase):
       out = jax.jit(jax.vmap(self.flash()))(*sharded)
     chex.assert_trees_all_close(out, expected, atol=1e-5, rtol=1e-5)
 
+
+class OneDeviceMeshTest(test_base.BackendTestCase):
+  """Meshes of one device: in the suite's own process, so also compiled on
+  a GPU (JFLASH_TEST_ON_GPU=1)."""
+
   @parameterized.parameters("explicit", "auto")
   def test_one_device_mesh_runs_the_same_kernels(self, mesh_kind):
     q, k, v, dout = _inputs()
@@ -251,9 +256,11 @@ class ShardingTest(test_base.BackendTestCase):
     with jax.set_mesh(mesh):
       sharded = [jax.device_put(x, NamedSharding(mesh, P("data")))
                  for x in (q, k, v)]
-      self.assertEqual(sharding.placement(sharded[0]),
-                       sharding.EXPLICIT if mesh_kind == "explicit"
-                       else sharding.PARTITIONED)
+      expected_placement = (
+          sharding.EXPLICIT if mesh_kind == "explicit"
+          else sharding.SINGLE if jax.device_count() == 1
+          else sharding.PARTITIONED)
+      self.assertEqual(sharding.placement(sharded[0]), expected_placement)
       on_mesh = jax.make_jaxpr(fn)(*sharded)
       results = jax.jit(fn)(*sharded)
     self.assertEqual(test_util.kernel_jaxprs(on_mesh),
@@ -261,8 +268,30 @@ class ShardingTest(test_base.BackendTestCase):
     chex.assert_trees_all_close(results, jax.jit(fn)(q, k, v), atol=1e-6,
                                 rtol=1e-6)
 
+  @parameterized.parameters(False, True)
+  def test_inside_a_user_shard_map_of_one_device(self, check_vma):
+    q, k, v, dout = _inputs()
+    bias = _options()["bias"]
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:1])
+    fn = lambda q, k, v, bias: self.flash(is_causal=True)(q, k, v, bias)
+    args = (q, k, v, bias)
+    expected = jax.jit(_value_and_grads(fn, dout))(*args)
+    spec = P("data")
+    inner = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, P()),
+                          out_specs=spec, check_vma=check_vma)
+    patch = (_interpret_under_check_vma() if check_vma and self.interpret
+             else contextlib.nullcontext())
+    with jax.set_mesh(mesh), patch:
+      put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+      sharded = [put(q, spec), put(k, spec), put(v, spec), put(bias, P())]
+      result = jax.jit(_value_and_grads(
+          inner, put(dout, spec)))(*sharded)
+    chex.assert_trees_all_close(result, expected, atol=1e-5, rtol=1e-5)
+
 
 test_base.for_each_backend(globals(), ShardingTest)
+test_base.for_each_backend(globals(), OneDeviceMeshTest)
 
 
 class EightDevicesTest(absltest.TestCase):

@@ -1,0 +1,156 @@
+"""The backend registry: capabilities, reasons, the choice per pass, listing."""
+
+import contextlib
+import dataclasses
+from unittest import mock
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from jflash._src import api
+from jflash._src import binding
+from jflash._src import registry
+from jflash._src.backends.triton import backend as triton_backend
+from tests import test_util
+
+KERNELS = dict(interpret=test_util.INTERPRET,
+               block_sizes=test_util.SMALL_BLOCKS)
+
+
+@contextlib.contextmanager
+def _registered(backend, priority):
+  """Registers a backend for the duration of a test."""
+  with mock.patch.dict(registry._REGISTRY), \
+      mock.patch.object(registry, "_PRIORITY", list(registry._PRIORITY)):
+    registry.register(backend, priority=priority)
+    yield
+
+
+class RegistryTest(absltest.TestCase):
+
+  def test_implementations_lists_every_backend(self):
+    listing = {b["name"]: b for b in jflash.implementations()}
+    self.assertEqual(list(listing), ["triton", "xla"])
+    triton, xla = listing["triton"], listing["xla"]
+    self.assertEqual(triton["available"], test_util.ON_GPU)
+    self.assertEqual(triton["default_here"], test_util.ON_GPU)
+    self.assertEqual(xla["default_here"], not test_util.ON_GPU)
+    self.assertEqual(triton["max_head_dim"], 256)
+    self.assertEqual(triton["arguments"], ["block_sizes", "interpret"])
+    self.assertIn(("backward", ["alibi", "bias"]),
+                  triton["unsupported_together"])
+    for backend in listing.values():
+      self.assertEqual(backend["passes"], ["forward", "backward"])
+      self.assertIn("segments", backend["mask_features"])
+
+  def test_reasons_are_one_sentence_naming_what_is_missing(self):
+    cases = (
+        (dict(shape=(1, 8, 2, 320)), "forward",
+         "triton supports head_dim <= 256; got head_dim=320."),
+        (dict(dtype=jnp.int32), "forward",
+         "triton supports dtypes float32, bfloat16, float16; got int32."),
+        (dict(alibi_slopes=jnp.ones(2)), "backward",
+         "triton's backward pass does not support `bias` together with "
+         "`alibi_slopes`"),
+    )
+    for options, pass_, expected in cases:
+      with self.subTest(expected=expected):
+        shape = options.pop("shape", (1, 8, 2, 32))
+        dtype = options.pop("dtype", jnp.float32)
+        q = jnp.ones(shape, dtype)
+        if "alibi_slopes" in options:
+          options["bias"] = jnp.zeros((8, 8))
+        call = api.describe(q, q, q, **options, **KERNELS)
+        reason = registry.unsupported_reason(
+            registry.get("triton"), call.spec, pass_, call.options)
+        self.assertStartsWith(reason, expected)
+        self.assertEqual(reason.count(". "), 0, msg=reason)
+
+  def test_a_named_backend_that_cannot_run_raises_before_tracing(self):
+    q = jnp.ones((1, 8, 2, 320))
+    with self.assertRaisesRegex(NotImplementedError,
+                                "triton supports head_dim <= 256"):
+      jax.jit(lambda q: jflash.flash_attention(
+          q, q, q, implementation="triton", **KERNELS)).trace(q)
+
+  def test_backend_options_must_belong_to_the_named_backend(self):
+    q = jnp.ones((1, 8, 2, 32))
+    with self.assertRaisesRegex(ValueError, "block_sizes configures the "
+                                "triton backend.*implementation='xla'"):
+      jflash.flash_attention(q, q, q, implementation="xla",
+                             block_sizes=test_util.SMALL_BLOCKS)
+
+  def test_a_forward_only_backend_leaves_the_backward_to_the_next(self):
+    # A backend supplying only a forward (the Triton forward, counted) is
+    # chosen for that pass; the backward falls back to Triton's.
+    calls = []
+
+    def counted_forward(*args):
+      calls.append(1)
+      return triton_backend.forward(*args)
+
+    forward_only = dataclasses.replace(
+        triton_backend.BACKEND, name="forward_only",
+        capabilities=dataclasses.replace(
+            triton_backend.CAPABILITIES,
+            passes=frozenset({registry.FORWARD})),
+        forward=counted_forward, backward=None)
+    q, k, v, dout = test_util.random_inputs(150, q_len=40, kv_len=56,
+                                            num_heads=4, num_kv_heads=2)
+    with _registered(forward_only, priority=0):
+      call = api.describe(q, k, v, is_causal=True, **KERNELS)
+      plan = registry.plan(call.spec, None, call.options)
+      self.assertEqual((plan.forward, plan.backward),
+                       ("forward_only", "triton"))
+      fn = lambda q, k, v: jflash.flash_attention(q, k, v, is_causal=True,
+                                                  **KERNELS)
+      results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+          fn, q, k, v, dout)
+    self.assertNotEmpty(calls)
+    test_util.assert_close_to_jax_nn(self, results, q, k, v, dout,
+                                     is_causal=True)
+
+  def test_passes_of_different_backends_share_the_residuals(self):
+    # The residual format (out, base-2 lse) pairs any forward with any
+    # backward: Triton then XLA, XLA then Triton, with the lse returned.
+    q, k, v, dout = test_util.random_inputs(151, q_len=40, kv_len=56,
+                                            num_heads=4, num_kv_heads=2)
+    options = dict(is_causal=True, sinks=jnp.array([0.5, -1.0, 0.0, 2.0]),
+                   query_seq_lengths=jnp.array([40, 17]),
+                   return_residuals=True)
+    call = api.describe(q, k, v, **options, **KERNELS)
+    triton_config = triton_backend.configure(call.spec, call.options)
+    dlse = jax.random.normal(jax.random.key(152), q.shape[:3])
+
+    def results(plan, q, k, v):
+      fn = lambda q, k, v: binding.attention(
+          call.spec, plan, call.operands.replace(query=q, key=k, value=v))
+      (out, lse), vjp = jax.vjp(fn, q, k, v)
+      return (out, lse, *vjp((dout, dlse)))
+
+    with jax.default_matmul_precision("highest"):
+      expected = jax.jit(results, static_argnums=0)(
+          registry.Plan("xla", None, "xla", None), q, k, v)
+    for plan in (registry.Plan("triton", triton_config, "xla", None),
+                 registry.Plan("xla", None, "triton", triton_config)):
+      with self.subTest(plan=plan.forward + "+" + plan.backward):
+        ours = jax.jit(results, static_argnums=0)(plan, q, k, v)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours,
+                              expected):
+          # Rows past the query length: lse = -inf in both.
+          np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5,
+                                     err_msg=name)
+
+  @absltest.skipIf(test_util.ON_GPU, "the Triton kernels run on a GPU")
+  def test_triton_options_without_a_gpu_say_why(self):
+    q = jnp.ones((1, 8, 2, 32))
+    with self.assertRaisesRegex(NotImplementedError,
+                                "triton needs a CUDA GPU"):
+      jflash.flash_attention(q, q, q, block_sizes=test_util.SMALL_BLOCKS)
+
+
+if __name__ == "__main__":
+  absltest.main()
