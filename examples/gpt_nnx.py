@@ -171,6 +171,9 @@ class GPT(nnx.Module):
     """Returns logits [batch, seq_len, vocab] for tokens [batch, seq_len]."""
     if positions is None:
       positions = jnp.arange(tokens.shape[-1])
+    # Explicit ranks ([batch or 1, seq, dim]): code that forbids implicit
+    # rank promotion runs this model too.
+    positions = jnp.broadcast_to(positions, tokens.shape)
     x = self.token_embed(tokens) + self.position_embed(positions)
     for block in self.blocks:
       x = block(x, decode=decode)

@@ -18,7 +18,8 @@ from tests import test_util
 
 def _alibi_bias(slopes, q_len, kv_len, offset=0):
   """Dense [batch or 1, num_heads, q_len, kv_len] bias."""
-  rows, cols = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+  rows = jnp.arange(q_len)[None, None, :, None]
+  cols = jnp.arange(kv_len)[None, None, None, :]
   offset = jnp.asarray(offset).reshape(-1, 1, 1, 1)
   distance = jnp.abs(rows + offset - cols).astype(jnp.float32)
   slopes = slopes if slopes.ndim == 2 else slopes[None]
@@ -35,7 +36,8 @@ def _capped_alibi_attention(q, k, v, slopes, *, cap, q_lens, kv_lens):
   offset = kv_lens - q_lens
   logits = cap * jnp.tanh(logits / cap) + _alibi_bias(slopes, q_len, kv_len,
                                                       offset)
-  rows, cols = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+  rows = jnp.arange(q_len)[None, :, None]
+  cols = jnp.arange(kv_len)[None, None, :]
   visible = ((cols <= rows + offset[:, None, None])
              & (cols < kv_lens[:, None, None])
              & (rows < q_lens[:, None, None]))[:, None]

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jflash
 from jflash._src import dropout
 from jflash._src.backends.triton import forward
 from tests import test_base
@@ -46,11 +45,12 @@ def _biased_attention(q, k, v, bias, *, alibi_slopes=None, dropout_rate=0.0,
   kv_len = k.shape[1]
   logits = jnp.einsum("btnd,bsnd->bnts", q, k,
                       preferred_element_type=jnp.float32) / np.sqrt(head_dim)
-  logits = logits + bias.astype(jnp.float32)
+  logits = logits + jnp.broadcast_to(bias.astype(jnp.float32), logits.shape)
   if alibi_slopes is not None:
     distance = jnp.abs(jnp.arange(q_len)[:, None]
                        - jnp.arange(kv_len)[None, :]).astype(jnp.float32)
-    logits = logits - alibi_slopes[:, None, None] * distance
+    logits = logits - (alibi_slopes[None, :, None, None]
+                       * distance[None, None])
   probs = jax.nn.softmax(logits, axis=-1)
   if dropout_rate:
     keep = dropout.keep_mask(
@@ -123,20 +123,10 @@ class CombinationsTest(test_base.BackendTestCase):
       dict(alibi_slopes=jnp.ones((HEADS,))),
       dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)))
   def test_bias_with_alibi_or_dropout(self, **options):
-    # The kernels' dbias kernel has neither: they raise before running,
-    # named or chosen. The XLA path computes the call.
+    # The dbias kernel applies ALiBi and dropout as the other kernels do:
+    # the bias gradient is checked against plain jnp.
     q, k, v, dout = test_util.random_inputs(123, q_len=8, kv_len=8,
                                             num_heads=HEADS)
-    bias = jnp.zeros((8, 8))
-    if self.runs_kernels:
-      for implementation in (self.implementation, None):
-        with self.subTest(implementation=implementation):
-          with self.assertRaisesRegex(NotImplementedError,
-                                      "`bias` together with"):
-            jflash.flash_attention(q, k, v, bias=bias,
-                                   implementation=implementation,
-                                   **self.options, **options)
-      return
     bias = jax.random.normal(jax.random.key(125), (8, 8))
     fn = self.flash(**options)
     results = jax.jit(test_util.value_and_all_grads, static_argnums=0)(

@@ -15,6 +15,10 @@ import jax
 if os.environ.get("JFLASH_TEST_ON_GPU") != "1":
   jax.config.update("jax_disable_most_optimizations", True)
 
+# Many codebases forbid implicit rank promotion; jflash must work there, so
+# the whole suite runs with it forbidden.
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
 # tests/sharding_test.py runs its cases in a subprocess with 8 CPU devices,
 # which must be set before JAX starts its backends.
 if os.environ.get("JFLASH_TEST_CPU_DEVICES"):

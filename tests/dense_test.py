@@ -26,7 +26,8 @@ def _bias_and_mask(shape, dtype="float32", seed=0):
   """A random bias and a random mask that keeps the diagonal visible."""
   keys = jax.random.split(jax.random.key(seed))
   bias = 2.0 * jax.random.normal(keys[0], shape, jnp.dtype(dtype))
-  diagonal = jnp.eye(shape[-2], shape[-1], dtype=bool)
+  diagonal = jnp.broadcast_to(jnp.eye(shape[-2], shape[-1], dtype=bool),
+                              shape)
   mask = jnp.logical_or(jax.random.uniform(keys[1], shape) > 0.3, diagonal)
   return bias, mask
 
@@ -138,17 +139,9 @@ class DenseTest(test_base.BackendTestCase):
         self, tuple(x[None] for x in results), q, k, v, dout, mask=mask)
 
   def test_vmap_with_a_dense_bias(self):
-    # The kernels fold a vmapped axis into the batch, which a dense bias or
-    # mask does not support yet: they raise. The XLA path maps it.
+    # The kernels fold a vmapped axis into the batch, a bias's too (shared
+    # slices stay shared: the index maps divide by the batch span).
     q, k, v, dout = test_util.random_inputs(95, q_len=8, kv_len=8)
-    bias = jnp.zeros((8, 8))
-    if self.runs_kernels:
-      flash = lambda q, k, v: jflash.flash_attention(
-          q, k, v, bias=bias, implementation=self.implementation,
-          **self.options)
-      with self.assertRaisesRegex(NotImplementedError, "vmap"):
-        jax.vmap(flash)(q, k, v)
-      return
     bias = jax.random.normal(jax.random.key(96), (8, 8))
     flash = jax.vmap(lambda q, k, v: self.flash(bias=bias)(q, k, v))
     results = jax.jit(test_util.value_and_grads, static_argnums=0)(

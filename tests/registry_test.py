@@ -33,39 +33,42 @@ class RegistryTest(absltest.TestCase):
 
   def test_implementations_lists_every_backend(self):
     listing = {b["name"]: b for b in jflash.implementations()}
-    self.assertEqual(list(listing), ["triton", "xla"])
-    triton, xla = listing["triton"], listing["xla"]
+    self.assertEqual(list(listing), ["triton", "xla", "cudnn"])
+    triton, xla, cudnn = listing["triton"], listing["xla"], listing["cudnn"]
     self.assertEqual(triton["available"], test_util.ON_GPU)
     self.assertEqual(triton["default_here"], test_util.ON_GPU)
     self.assertEqual(xla["default_here"], not test_util.ON_GPU)
+    self.assertEqual(xla["fallback_on"], ["cuda"])
+    self.assertTrue(cudnn["named_only"])
+    self.assertFalse(cudnn["default_here"])
     self.assertEqual(triton["max_head_dim"], 256)
     self.assertEqual(triton["arguments"], ["block_sizes", "interpret"])
-    self.assertIn(("backward", ["alibi", "bias"]),
-                  triton["unsupported_together"])
-    for backend in listing.values():
-      self.assertEqual(backend["passes"], ["forward", "backward"])
-      self.assertIn("segments", backend["mask_features"])
+    self.assertIn("float64", xla["dtypes"])
+    for name in ("triton", "xla"):
+      self.assertEqual(listing[name]["passes"], ["forward", "backward"])
+      self.assertIn("segments", listing[name]["mask_features"])
+    self.assertNotIn("segments", cudnn["mask_features"])
 
   def test_reasons_are_one_sentence_naming_what_is_missing(self):
+    ids = jnp.zeros((1, 8), jnp.int32)
     cases = (
-        (dict(shape=(1, 8, 2, 320)), "forward",
+        ("triton", dict(shape=(1, 8, 2, 320)),
          "triton supports head_dim <= 256; got head_dim=320."),
-        (dict(dtype=jnp.int32), "forward",
+        ("triton", dict(dtype=jnp.int32),
          "triton supports dtypes float32, bfloat16, float16; got int32."),
-        (dict(alibi_slopes=jnp.ones(2)), "backward",
-         "triton's backward pass does not support `bias` together with "
-         "`alibi_slopes`"),
+        ("cudnn", dict(q_segment_ids=ids, kv_segment_ids=ids,
+                       logits_soft_cap=2.0),
+         "cudnn does not support segments, soft_cap."),
     )
-    for options, pass_, expected in cases:
+    for name, options, expected in cases:
       with self.subTest(expected=expected):
         shape = options.pop("shape", (1, 8, 2, 32))
         dtype = options.pop("dtype", jnp.float32)
         q = jnp.ones(shape, dtype)
-        if "alibi_slopes" in options:
-          options["bias"] = jnp.zeros((8, 8))
-        call = api.describe(q, q, q, **options, **KERNELS)
+        call = api.describe(q, q, q, **options,
+                            **(KERNELS if name == "triton" else {}))
         reason = registry.unsupported_reason(
-            registry.get("triton"), call.spec, pass_, call.options)
+            registry.get(name), call.spec, "forward", call.options)
         self.assertStartsWith(reason, expected)
         self.assertEqual(reason.count(". "), 0, msg=reason)
 
@@ -120,7 +123,7 @@ class RegistryTest(absltest.TestCase):
                                             num_heads=4, num_kv_heads=2)
     options = dict(is_causal=True, sinks=jnp.array([0.5, -1.0, 0.0, 2.0]),
                    query_seq_lengths=jnp.array([40, 17]),
-                   return_residuals=True)
+                   return_residual=True)
     call = api.describe(q, k, v, **options, **KERNELS)
     triton_config = triton_backend.configure(call.spec, call.options)
     dlse = jax.random.normal(jax.random.key(152), q.shape[:3])

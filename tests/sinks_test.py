@@ -28,12 +28,13 @@ def _sink_attention(q, k, v, sinks, *, is_causal=False, q_lens=None,
   k, v = (jnp.repeat(x, num_heads // num_kv_heads, axis=2) for x in (k, v))
   logits = jnp.einsum("btnd,bsnd->bnts", q, k,
                       preferred_element_type=jnp.float32) / np.sqrt(head_dim)
-  rows, cols = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+  rows = jnp.arange(q_len)[None, None, :, None]
+  cols = jnp.arange(kv_len)[None, None, None, :]
   visible = jnp.ones((batch, 1, q_len, kv_len), bool)
   if is_causal:
     visible &= cols <= rows
   if kv_lens is not None:
-    visible &= (cols < kv_lens[:, None, None])[:, None]
+    visible &= cols < kv_lens[:, None, None, None]
   logits = jnp.where(visible, logits, -jnp.inf)
   sink_column = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None],
                                  (batch, num_heads, q_len, 1))
@@ -42,8 +43,8 @@ def _sink_attention(q, k, v, sinks, *, is_causal=False, q_lens=None,
   out = jnp.einsum("bnts,bsnd->btnd", probs[..., :-1].astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   if q_lens is not None:  # Rows past the query length are empty: 0.
-    out = jnp.where((rows[None, :, :, None] < q_lens[:, None, None, None]),
-                    out, 0.0)
+    out = jnp.where((jnp.arange(q_len)[None, :, None, None]
+                     < q_lens[:, None, None, None]), out, 0.0)
   return out.astype(q.dtype)
 
 

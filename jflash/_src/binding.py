@@ -85,12 +85,7 @@ def _run_pass(spec: CallSpec, plan: registry.Plan, pass_: str,
                                 ("query", "key", "value", *present))
   if not backend.differentiable:
     fn = _no_higher_order(fn, f"the {pass_} pass")
-  fold = batching.fold_vmap_into_batch(
-      fn, vmappable=not (spec.has_bias or spec.mask.has_dense_mask),
-      unsupported=(
-          "jflash.flash_attention: vmap with a dense `bias` or `mask` is not "
-          "supported yet; put the vmapped axis into the batch axis instead."))
-  return fold(*args)
+  return batching.fold_vmap_into_batch(fn)(*args)
 
 
 def _outputs(spec: CallSpec, out, lse2):

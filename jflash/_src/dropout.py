@@ -80,6 +80,7 @@ def seeds(rng, batch: int, num_heads: int, broadcast: bool) -> jax.Array:
 def keep_mask(seeds_, q_len: int, kv_len: int, rate: float) -> jax.Array:
   """The dense mask, bool [batch, num_heads, q_len, kv_len] (XLA path)."""
   seed0, seed1 = (seeds_[..., i, None, None] for i in (0, 1))
-  rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
-  cols = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
+  # [1, 1, q_len, 1] and [1, 1, 1, kv_len]: the seeds' rank, explicitly.
+  rows = jnp.arange(q_len, dtype=jnp.int32)[None, None, :, None]
+  cols = jnp.arange(kv_len, dtype=jnp.int32)[None, None, None, :]
   return keep(seed0, seed1, rows, cols, rate)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
+import warnings
 
 import jax
 
@@ -72,8 +73,11 @@ class Capabilities:
       together with `alibi_slopes`").
     platforms: JAX platforms it runs on ("cuda", "cpu", ...); None: any.
     interpretable: whether `interpret=True` runs it on any platform.
-    named_only_on: platforms where it runs only when named
-      (`implementation=...`), never chosen by `implementation=None`.
+    fallback_on: platforms where `implementation=None` chooses it only for
+      a pass no other backend can run, and warns (the "xla" path on a GPU:
+      correct, but it stores the [q_len, kv_len] scores).
+    named_only: it runs only when named (`implementation=...`), never
+      chosen by `implementation=None`.
   """
 
   passes: frozenset[str]
@@ -84,7 +88,8 @@ class Capabilities:
   unsupported_together: tuple[tuple[str, frozenset[str], str], ...] = ()
   platforms: frozenset[str] | None = None
   interpretable: bool = False
-  named_only_on: frozenset[str] = frozenset()
+  fallback_on: frozenset[str] = frozenset()
+  named_only: bool = False
 
   def describe(self) -> dict[str, Any]:
     """A plain-data summary for users (`jflash.implementations()`)."""
@@ -101,7 +106,8 @@ class Capabilities:
         "platforms": None if self.platforms is None else sorted(
             self.platforms),
         "interpretable": self.interpretable,
-        "named_only_on": sorted(self.named_only_on),
+        "fallback_on": sorted(self.fallback_on),
+        "named_only": self.named_only,
     }
 
 
@@ -204,7 +210,13 @@ def unsupported_reason(backend: Backend, spec: CallSpec, pass_: str,
 
 
 def _is_default_here(backend: Backend) -> bool:
-  return current_platform() not in backend.capabilities.named_only_on
+  caps = backend.capabilities
+  return not caps.named_only and current_platform() not in caps.fallback_on
+
+
+def _is_fallback_here(backend: Backend) -> bool:
+  caps = backend.capabilities
+  return not caps.named_only and current_platform() in caps.fallback_on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,25 +261,28 @@ def plan(spec: CallSpec, implementation: str | None,
                   if set(options) <= get(n).option_names]
   chosen = {}
   for pass_ in PASSES:
-    reasons = []
-    for backend in candidates:
-      if implementation is None and not _is_default_here(backend):
-        reasons.append(f"{backend.name} runs here only when named "
-                       f"(implementation={backend.name!r}).")
-        continue
-      reason = unsupported_reason(backend, spec, pass_, options)
-      if reason is None:
-        chosen[pass_] = backend
-        break
-      reasons.append(reason)
-    else:
-      if implementation is not None:
+    if implementation is not None:
+      reason = unsupported_reason(candidates[0], spec, pass_, options)
+      if reason is not None:
         raise NotImplementedError(
             f"jflash.flash_attention: implementation={implementation!r} "
-            f"cannot run this call: {reasons[0]}")
-      raise NotImplementedError(
-          f"jflash.flash_attention: no implementation can run the {pass_} "
-          f"pass of this call: {' '.join(reasons)}")
+            f"cannot run this call: {reason}")
+      chosen[pass_] = candidates[0]
+      continue
+    chosen[pass_], reasons = _first_supporting(
+        [b for b in candidates if _is_default_here(b)], spec, pass_, options)
+    if chosen[pass_] is None:
+      chosen[pass_], more = _first_supporting(
+          [b for b in candidates if _is_fallback_here(b)], spec, pass_,
+          options)
+      if chosen[pass_] is None:
+        raise NotImplementedError(
+            f"jflash.flash_attention: no implementation can run the {pass_} "
+            f"pass of this call: {' '.join(reasons + more)}")
+      warnings.warn(
+          f"jflash.flash_attention: running the {pass_} pass on the "
+          f"{chosen[pass_].name!r} fallback: {' '.join(reasons)}",
+          stacklevel=4)
   configs = {}
   for backend in chosen.values():
     configs[backend.name] = backend.configure(
@@ -277,6 +292,17 @@ def plan(spec: CallSpec, implementation: str | None,
               forward_config=configs[chosen[FORWARD].name],
               backward=chosen[BACKWARD].name,
               backward_config=configs[chosen[BACKWARD].name])
+
+
+def _first_supporting(backends, spec, pass_, options):
+  """(first backend that can run the pass or None, reasons of the rest)."""
+  reasons = []
+  for backend in backends:
+    reason = unsupported_reason(backend, spec, pass_, options)
+    if reason is None:
+      return backend, reasons
+    reasons.append(reason)
+  return None, reasons
 
 
 def implementations() -> list[dict[str, Any]]:

@@ -259,3 +259,22 @@ def check_soft_cap(logits_soft_cap) -> float | None:
                      f"{logits_soft_cap!r}.")
   return soft_cap
 
+
+
+def check_residual_dtype(residual_dtype, input_dtype,
+                         return_residual: bool):
+  """The lse's dtype: `residual_dtype` (a floating dtype) or the inputs'."""
+  if residual_dtype is not None and not return_residual:
+    raise ValueError(f"residual_dtype={residual_dtype!r} applies only with "
+                     "return_residual=True.")
+  if residual_dtype is None:
+    return jnp.dtype(input_dtype)
+  try:
+    dtype = jnp.dtype(residual_dtype)
+  except TypeError as e:
+    raise ValueError(f"residual_dtype must be a floating dtype or None; got "
+                     f"{residual_dtype!r}.") from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"residual_dtype must be a floating dtype or None; got "
+                     f"{dtype}.")
+  return dtype

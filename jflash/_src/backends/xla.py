@@ -77,12 +77,14 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   group = num_heads // num_kv_heads
   # Query head h reads key/value head h // group: split heads as (kv, group).
   q = q.reshape(batch, q_seq, num_kv_heads, group, head_dim)
-  # float32 inputs get IEEE float32 products, as in the kernels (a GPU's
-  # default for float32 is TF32, about 3e-4 relative error).
+  # Logits, softmax and accumulation in float32 (float64 for float64
+  # inputs, as jax.nn). float32 inputs get IEEE float32 products, as in the
+  # kernels (a GPU's default for float32 is TF32, ~3e-4 relative error).
+  acc = jnp.promote_types(q.dtype, jnp.float32)
   precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                else None)
   logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision,
-                      preferred_element_type=jnp.float32) * scale
+                      preferred_element_type=acc) * scale
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
 
@@ -92,13 +94,15 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     return x.reshape(x.shape[0], num_kv_heads, group, *x.shape[2:])
 
   if bias is not None:
-    logits = logits + grouped(bias).astype(jnp.float32)
-  rows = jnp.arange(q_seq)[:, None]
-  cols = jnp.arange(kv_seq)[None, :]
-  visible = cols[None] < kv_lens[:, None, None]
+    logits = logits + grouped(bias).astype(acc)
+  # Masks are [batch or 1, q_len or 1, kv_len or 1]: explicit ranks, so the
+  # path runs under jax_numpy_rank_promotion="raise".
+  rows = jnp.arange(q_seq)[None, :, None]
+  cols = jnp.arange(kv_seq)[None, None, :]
+  visible = cols < kv_lens[:, None, None]
   offset = (kv_lens - q_lens)[:, None, None] if bottom_right else 0
   if alibi_slopes is not None:
-    distance = jnp.abs(rows + offset - cols).astype(jnp.float32)
+    distance = jnp.abs(rows + offset - cols).astype(acc)
     logits = logits - (alibi_slopes.reshape(batch, num_kv_heads, group, 1, 1)
                        * jnp.broadcast_to(distance, (batch, q_seq, kv_seq))[
                            :, None, None])
@@ -111,7 +115,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     q_ids, kv_ids = segment_ids
     visible = jnp.logical_and(visible,
                               q_ids[:, :, None] == kv_ids[:, None, :])
-  visible = jnp.logical_and(visible, rows[None] < q_lens[:, None, None])
+  visible = jnp.logical_and(visible, rows < q_lens[:, None, None])
   visible = visible[:, None, None]  # [batch, 1, 1, q_len, kv_len]
   if mask is not None:
     visible = jnp.logical_and(visible, grouped(mask))
@@ -125,7 +129,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   probs = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
   row_sum = jnp.sum(probs, axis=-1, keepdims=True)
   if sinks is not None:
-    valid_row = (rows[None] < q_lens[:, None, None])[:, None, None]
+    valid_row = (rows < q_lens[:, None, None])[:, None, None]
     row_sum = row_sum + jnp.where(valid_row, jnp.exp(sinks - row_max), 0.0)
   safe_sum = jnp.where(row_sum > 0.0, row_sum, 1.0)
   probs = probs / safe_sum
@@ -135,7 +139,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
     probs = jnp.where(keep, probs * (1.0 / (1.0 - dropout_rate)), 0.0)
   out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
                    precision=precision,
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=acc)
   out = out.reshape(batch, q_seq, num_heads, head_dim).astype(q.dtype)
   if not return_lse:
     return out
@@ -204,13 +208,14 @@ BACKEND = registry.Backend(
     name="xla",
     capabilities=registry.Capabilities(
         passes=frozenset(registry.PASSES),
-        dtypes=("float32", "bfloat16", "float16"),
+        dtypes=("float32", "bfloat16", "float16", "float64"),
         max_head_dim=None,
         mask_features=frozenset(registry.MASK_FEATURES),
         options=frozenset(registry.OPTIONS),
         platforms=None,
-        # Quadratic memory: on a CUDA GPU it runs only when named.
-        named_only_on=frozenset({"cuda"}),
+        # Quadratic memory: on a CUDA GPU, chosen only for what no kernel
+        # backend runs (with a warning), or when named.
+        fallback_on=frozenset({"cuda"}),
     ),
     option_names=frozenset(),
     configure=lambda spec, options: None,

@@ -32,14 +32,6 @@ CAPABILITIES = registry.Capabilities(
     max_head_dim=256,
     mask_features=frozenset(registry.MASK_FEATURES),
     options=frozenset(registry.OPTIONS),
-    # The dbias kernel recomputes p without the per-head modifiers.
-    unsupported_together=(
-        (registry.BACKWARD, frozenset({"bias", "alibi"}),
-         "`bias` together with `alibi_slopes` (fold ALiBi into the bias "
-         "instead)"),
-        (registry.BACKWARD, frozenset({"bias", "dropout"}),
-         "`bias` together with `dropout_rate` > 0"),
-    ),
     platforms=frozenset({"cuda"}),
     interpretable=True,
 )

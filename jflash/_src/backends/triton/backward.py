@@ -397,12 +397,14 @@ def dbias_kernel(
     mask: MaskSpec, scale: float, soft_cap: float | None,
     block_q: int, block_k: int, head_dim: int, group: int, batch_span: int,
     pair_heads: int, mask_span: int, mask_per_head: bool,
+    mods: ModifierSpec = ModifierSpec(),
 ):
   # Whole-array refs: q, do [batch, q_seq, num_heads, head_dim_p]; k, v
   # [batch, kv_seq, num_kv_heads, head_dim_p]; lse, delta [batch, num_heads,
   # q_seq]; lengths [batch]; segment ids [batch, seq]; mask [mask_batch,
-  # mask_heads, q_seq, kv_seq]. refs.bias and dbias_ref: this program's
-  # [q_seq, kv_seq] slice.
+  # mask_heads, q_seq, kv_seq]; ALiBi slopes and dropout seeds [batch,
+  # num_heads]. refs.bias and dbias_ref: this program's [q_seq, kv_seq]
+  # slice.
   q_seq, kv_seq = refs.q.shape[1], refs.k.shape[1]
   q_start = pl.program_id(0) * block_q
   bias_batch, bias_head = pl.program_id(1), pl.program_id(2)
@@ -439,12 +441,20 @@ def dbias_kernel(
                                other=jnp.inf, group_index=h, batch_index=b)
     delta = tiles.load_row_stats(refs.delta, q_start, block_q, seq_len=q_seq,
                                  other=0.0, group_index=h, batch_index=b)
+    head_mods = None
+    if refs.modifier_refs():  # ALiBi, dropout: the pair's own scalars.
+      head_mods = kernel_inputs.load_head_modifiers(mods, refs, lambda: h,
+                                                    batch_index=b)
     probs, _ = _probabilities(
         q, k, lse, scale=scale, soft_cap=soft_cap, rows=rows,
         k_start=k_start, block_k=block_k, mask=mask, kv_len=kv_len,
         offset=masks.causal_offset(mask, q_len, kv_len), needs_mask=True,
-        q_ids=q_ids, kv_ids=kv_ids, bias=bias, tile_mask=tile_mask)
+        q_ids=q_ids, kv_ids=kv_ids, bias=bias, tile_mask=tile_mask,
+        head_mods=head_mods)
     dprobs = tiles.matmul(do, v, trans_b=True)
+    dropout_scale = _dropout_scale(head_mods, rows, k_start, block_k)
+    if dropout_scale is not None:
+      dprobs = dprobs * dropout_scale
     return dbias + _logit_gradient(probs, dprobs, delta)
 
   def key_step(k_tile_index, carry):
@@ -475,9 +485,12 @@ def dbias_call(operands: Operands, do, lse, delta, *, spec: CallSpec,
   head_dim_p = tiles.head_dim_padded(head_dim)
   whole = lambda shape: pl.BlockSpec(shape, lambda i, bb, hh: (0,) * len(
       shape))
-  # Only the mask operands: calls with a bias take no ALiBi or dropout
-  # (the registry says so), and sinks live in the lse.
-  arrays = dict(q=q, k=k, v=operands.value, do=do, lse=lse, delta=delta,
+  # The mask operands and the modifiers the backward applies (ALiBi,
+  # dropout; sinks live in the lse), all as whole arrays.
+  mods = spec.modifiers.for_backward()
+  modifier_operands = kernel_inputs.modifier_operands(
+      mods, operands.sinks, operands.alibi_slopes, operands.dropout_seeds)
+  arrays = dict(**modifier_operands,q=q, k=k, v=operands.value, do=do, lse=lse, delta=delta,
                 q_lengths=operands.q_lengths, kv_lengths=operands.kv_lengths,
                 q_segment_ids=operands.q_segment_ids,
                 kv_segment_ids=operands.kv_segment_ids, bias=bias,
@@ -494,6 +507,8 @@ def dbias_call(operands: Operands, do, lse, delta, *, spec: CallSpec,
   if operands.q_segment_ids is not None:
     specs.update(q_segment_ids=whole((batch, q_seq)),
                  kv_segment_ids=whole((batch, kv_seq)))
+  specs.update({name: None if x is None else whole(x.shape)
+                for name, x in modifier_operands.items()})
   mask_span, mask_per_head = 1, False
   if operands.mask is not None:
     specs["mask"] = whole(operands.mask.shape)
@@ -505,7 +520,7 @@ def dbias_call(operands: Operands, do, lse, delta, *, spec: CallSpec,
       head_dim=head_dim, group=num_heads // num_kv_heads,
       batch_span=dense.batch_span(bias, batch),
       pair_heads=1 if bias.shape[1] != 1 else num_heads,
-      mask_span=mask_span, mask_per_head=mask_per_head)
+      mask_span=mask_span, mask_per_head=mask_per_head, mods=mods)
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(q_seq, block_q), bias.shape[0], bias.shape[1]),

@@ -197,17 +197,21 @@ def load_ids(ref, start, size: int, batch_index=None):
   return plgpu.load(ref.at[idx], mask=positions < ref.shape[-1], other=-1)
 
 
-def load_head_modifiers(spec: ModifierSpec, refs: KernelInputs,
-                        head) -> modifiers.HeadModifiers:
+def load_head_modifiers(spec: ModifierSpec, refs: KernelInputs, head,
+                        batch_index=None) -> modifiers.HeadModifiers:
   """The query head's modifiers, its scalars loaded once.
 
   Args:
     spec: the static modifiers.
-    refs: the kernel's refs; their modifier refs are [num_heads] slices.
+    refs: the kernel's refs; their modifier refs are [num_heads] slices,
+      or whole [batch, num_heads] arrays when `batch_index` is given.
     head: returns the query head's index; only called (traced) when some
       modifier ref is present, so that the default kernels are unchanged.
+    batch_index: the batch element, for whole-array refs (dbias kernel).
   """
   head = head() if refs.modifier_refs() else None
+  if batch_index is not None:
+    head = (batch_index, head)
   # Both in base 2, like the kernels' logits.
   sink2 = slope2 = seeds = None
   if refs.sinks is not None:

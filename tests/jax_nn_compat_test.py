@@ -1,0 +1,228 @@
+"""Code written for jax.nn.dot_product_attention runs unchanged on jflash.
+
+Each case calls `jflash.flash_attention` exactly as it would call jax.nn
+(positional bias and mask, jax.nn's keywords, its dtypes, under vmap and
+grad), per backend (test_base.py), and compares with jax.nn where jax.nn is
+right, or with a float32 formulation where jflash deliberately differs (the
+lse's gradient, which jax.nn stops). The differences that remain are listed
+in README.md ("Differences from jax.nn").
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from tests import test_base
+from tests import test_util
+
+B, T, S, N, K, H = 2, 40, 48, 4, 2, 32
+
+
+def _masks(seed: int):
+  """A bias and a mask of jax.nn's shapes (mask keeps the diagonal)."""
+  keys = jax.random.split(jax.random.key(seed))
+  bias = jax.random.normal(keys[0], (B, N, T, S))
+  mask = jnp.logical_or(jax.random.uniform(keys[1], (B, 1, T, S)) > 0.3,
+                        jnp.eye(T, S, dtype=bool)[None, None])
+  return bias, mask
+
+
+def _exact_attention_with_lse(q, k, v, *, is_causal=False,
+                              dtype=jnp.float32):
+  """out and the natural lse [B, T, N] in `dtype` at HIGHEST: the reference
+  for jflash's differentiable lse and for float64 (every row sees a key
+  here)."""
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
+  group = q.shape[2] // k.shape[2]
+  k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+  logits = jnp.einsum("btnh,bsnh->bnts", q, k,
+                      precision=jax.lax.Precision.HIGHEST)
+  logits = logits / np.sqrt(q.shape[-1])
+  if is_causal:
+    rows = jnp.arange(q.shape[1])[:, None]
+    cols = jnp.arange(k.shape[1])[None, :]
+    logits = jnp.where((cols <= rows)[None, None], logits, -jnp.inf)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  probs = jnp.exp(logits - lse[..., None])
+  out = jnp.einsum("bnts,bsnh->btnh", probs, v,
+                   precision=jax.lax.Precision.HIGHEST)
+  return out, jnp.swapaxes(lse, 1, 2)
+
+
+class JaxNnCompatTest(test_base.BackendTestCase):
+
+  def _same_as_jax_nn(self, q, k, v, dout, *args, **kwargs):
+    """Forward and q/k/v gradients of the same call vs jax.nn's."""
+    fn = lambda q, k, v: self.flash(**kwargs)(q, k, v, *args)
+    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+        fn, q, k, v, dout)
+    if args:  # Positional bias / mask: bind them for jax.nn too.
+      kwargs = dict(kwargs, **dict(zip(("bias", "mask"), args)))
+    test_util.assert_close_to_jax_nn(self, results, q, k, v, dout, **kwargs)
+
+  @parameterized.named_parameters(
+      ("plain", {}),
+      ("causal", dict(is_causal=True)),
+      ("lengths", dict(query_seq_lengths=jnp.array([40, 17], jnp.int32),
+                       key_value_seq_lengths=jnp.array([48, 30], jnp.int32),
+                       is_causal=True)),
+      ("window", dict(local_window_size=(5, 3))),
+      ("window_int_causal", dict(local_window_size=6, is_causal=True)),
+      ("scale", dict(scale=0.2)),
+  )
+  def test_keywords(self, kwargs):
+    q, k, v, dout = test_util.random_inputs(
+        160, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K,
+        head_dim=H)
+    self._same_as_jax_nn(q, k, v, dout, **kwargs)
+
+  def test_positional_bias_and_mask(self):
+    q, k, v, dout = test_util.random_inputs(
+        161, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K,
+        head_dim=H)
+    bias, mask = _masks(162)
+    self._same_as_jax_nn(q, k, v, dout, bias, mask, is_causal=True)
+
+  def test_return_residual_structure_and_dtypes(self):
+    for dtype, unbatched in (("float32", False), ("bfloat16", False),
+                             ("bfloat16", True)):
+      with self.subTest(dtype=dtype, unbatched=unbatched):
+        q, k, v, _ = test_util.random_inputs(
+            163, batch=1 if unbatched else B, q_len=T, kv_len=S,
+            num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype)
+        if unbatched:
+          q, k, v = q[0], k[0], v[0]
+        ours = self.flash(is_causal=True, return_residual=True)(q, k, v)
+        theirs = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, return_residual=True)
+        self.assertIsInstance(ours, tuple)
+        self.assertLen(ours, 2)
+        chex.assert_trees_all_equal_shapes_and_dtypes(ours, theirs)
+        # jax.nn rounds its lse to the input dtype: compare at that dtype.
+        chex.assert_trees_all_close(
+            ours[1].astype(jnp.float32), theirs[1].astype(jnp.float32),
+            atol=0.05 if dtype == "bfloat16" else 1e-5, rtol=0.01)
+
+  def test_lse_gradient_with_a_cotangent_of_jax_nns_dtype(self):
+    # jax.nn's lse has a zero gradient; jflash's is the true one: checked
+    # against a float32 formulation. The cotangents have jax.nn's dtypes,
+    # as code written for jax.nn passes them.
+    for dtype in ("float32", "bfloat16"):
+      with self.subTest(dtype=dtype):
+        q, k, v, dout = test_util.random_inputs(
+            164, batch=B, q_len=T, kv_len=T, num_heads=N, num_kv_heads=K,
+            head_dim=H, dtype=dtype)
+        dlse = jax.random.normal(jax.random.key(165), (B, T, N), dtype)
+        fn = lambda q, k, v: self.flash(is_causal=True,
+                                        return_residual=True)(q, k, v)
+        (out, lse), vjp = jax.vjp(fn, q, k, v)
+        grads = vjp((dout, dlse))
+        (ref_out, ref_lse), ref_vjp = jax.vjp(
+            functools.partial(_exact_attention_with_lse, is_causal=True),
+            q, k, v)
+        ref_grads = ref_vjp((dout.astype(jnp.float32),
+                             dlse.astype(jnp.float32)))
+        tolerance = 2e-5 if dtype == "float32" else 0.05
+        for name, ours, ref in zip(
+            ("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+            (ref_out, ref_lse, *ref_grads)):
+          self.assertEqual(ours.dtype, jnp.dtype(dtype), msg=name)
+          np.testing.assert_allclose(
+              np.asarray(ours, np.float32), np.asarray(ref), err_msg=name,
+              atol=tolerance, rtol=tolerance)
+        # The lse's cotangent reaches the inputs: not jax.nn's zero.
+        no_dlse = vjp((dout, jnp.zeros_like(dlse)))
+        self.assertGreater(float(jnp.max(jnp.abs(
+            grads[0].astype(jnp.float32) - no_dlse[0].astype(jnp.float32)))),
+                           1e-3)
+
+  def test_float64(self):
+    # jax.nn takes float64 (x64 mode) but runs its softmax in float32;
+    # jflash's XLA path keeps float64 throughout: exact to 1e-12 against a
+    # float64 formulation, and jax.nn's within its float32 softmax.
+    with jax.enable_x64(True):
+      q, k, v, dout = test_util.random_inputs(
+          166, batch=B, q_len=T, kv_len=T, num_heads=N, num_kv_heads=K,
+          head_dim=H, dtype="float64")
+      fn = self.flash(is_causal=True)
+      out, vjp = jax.vjp(fn, q, k, v)
+      results = (out, *vjp(dout))
+      exact = lambda q, k, v: _exact_attention_with_lse(
+          q, k, v, is_causal=True, dtype=jnp.float64)[0]
+      for reference, tolerance in ((exact, 1e-12), (functools.partial(
+          jax.nn.dot_product_attention, is_causal=True), 1e-5)):
+        ref_out, ref_vjp = jax.vjp(reference, q, k, v)
+        for name, ours, ref in zip(("out", "dq", "dk", "dv"), results,
+                                   (ref_out, *ref_vjp(dout))):
+          self.assertEqual(ours.dtype, jnp.float64, msg=name)
+          np.testing.assert_allclose(ours, ref, atol=tolerance,
+                                     rtol=tolerance, err_msg=name)
+
+  def test_vmap_over_every_operand(self):
+    # An extra leading axis on q, k, v, bias, mask and the lengths, mapped
+    # by jax.vmap, as jax.nn's own tests do; the gradients of the bias too.
+    q, k, v, dout = test_util.random_inputs(
+        167, batch=3 * B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K,
+        head_dim=H)
+    split = lambda x: x.reshape(3, B, *x.shape[1:])
+    q, k, v, dout = (split(x) for x in (q, k, v, dout))
+    bias, mask = _masks(168)
+    bias = jnp.stack([bias, bias[::-1], 0.5 * bias])
+    mask = jnp.stack([mask, mask[::-1], mask])
+    q_lens = jnp.array([[40, 17], [9, 40], [40, 40]], jnp.int32)
+
+    def value_and_grads(attention):
+      def one(q, k, v, bias, mask, q_lens, dout):
+        fn = lambda q, k, v, bias: attention(
+            q, k, v, bias, mask, query_seq_lengths=q_lens, is_causal=True)
+        out, vjp = jax.vjp(fn, q, k, v, bias)
+        return (out, *vjp(dout))
+      return jax.jit(jax.vmap(one))(q, k, v, bias, mask, q_lens, dout)
+
+    ours = value_and_grads(self.flash())
+    with jax.default_matmul_precision("highest"):
+      theirs = value_and_grads(jax.nn.dot_product_attention)
+    chex.assert_trees_all_close(ours, theirs, atol=2e-5, rtol=2e-5)
+
+test_base.for_each_backend(globals(), JaxNnCompatTest)
+
+
+class CudnnTest(absltest.TestCase):
+  """implementation="cudnn", as jax.nn code names it."""
+
+  def test_named_only_and_fails_like_jax_nn_without_it(self):
+    q, k, v, _ = test_util.random_inputs(169, batch=1, q_len=16, kv_len=16,
+                                         head_dim=64, dtype="bfloat16")
+    names = [b["name"] for b in jflash.implementations()]
+    self.assertIn("cudnn", names)
+    listing = {b["name"]: b for b in jflash.implementations()}
+    self.assertTrue(listing["cudnn"]["named_only"])
+    if test_util.ON_GPU:
+      ours = jflash.flash_attention(q, k, v, is_causal=True,
+                                    implementation="cudnn")
+      theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                            implementation="cudnn")
+      chex.assert_trees_all_equal(ours, theirs)
+      return
+    with self.assertRaises(Exception) as expected:
+      jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+    with self.assertRaises(type(expected.exception)) as ours:
+      jflash.flash_attention(q, k, v, implementation="cudnn")
+    self.assertEqual(str(ours.exception), str(expected.exception))
+
+  def test_refuses_jflash_only_options(self):
+    q, k, v, _ = test_util.random_inputs(170, q_len=16, kv_len=16)
+    with self.assertRaisesRegex(NotImplementedError,
+                                "cudnn does not support soft_cap"):
+      jflash.flash_attention(q, k, v, implementation="cudnn",
+                             logits_soft_cap=5.0)
+
+
+if __name__ == "__main__":
+  absltest.main()
