@@ -9,6 +9,7 @@ in README.md ("Differences from jax.nn").
 """
 
 import functools
+import warnings
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -191,6 +192,26 @@ class JaxNnCompatTest(test_base.BackendTestCase):
     chex.assert_trees_all_close(ours, theirs, atol=2e-5, rtol=2e-5)
 
 test_base.for_each_backend(globals(), JaxNnCompatTest)
+
+
+class DefaultChoiceTest(absltest.TestCase):
+  """implementation=None, as jax.nn code calls it."""
+
+  def test_float64_runs_by_default(self):
+    # The kernels take no float64: on a GPU the XLA path runs as a fallback
+    # and says so; elsewhere it is the default anyway.
+    with jax.enable_x64(True):
+      q, k, v, _ = test_util.random_inputs(171, q_len=16, kv_len=16,
+                                           dtype="float64")
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = jflash.flash_attention(q, k, v, is_causal=True)
+      expected = jflash.flash_attention(q, k, v, is_causal=True,
+                                        implementation="xla")
+    self.assertEqual(out.dtype, jnp.float64)
+    chex.assert_trees_all_equal(out, expected)
+    fallback = [w for w in caught if "fallback" in str(w.message)]
+    self.assertLen(fallback, 2 if test_util.ON_GPU else 0)  # Both passes.
 
 
 class CudnnTest(absltest.TestCase):

@@ -208,11 +208,10 @@ def flash_attention(
   Raises:
     ValueError: on inconsistent shapes, ranks, dtypes, lengths or options,
       before any kernel runs.
-    NotImplementedError: for valid options no (or not the named) backend
-      supports, e.g. head dim > 256 or dtypes other than float32 /
-      bfloat16 / float16 on the kernels, `vmap` of a call with bias or mask
-      on the kernels (the message says which backend lacks what), and for
-      higher-order derivatives through kernels.
+    NotImplementedError: for valid options the named backend does not
+      support (e.g. head dim > 256 or float64 on the kernels, segment ids
+      with implementation="cudnn"; the message says which backend lacks
+      what), and for higher-order derivatives through kernels.
   """
   if validation.check_bool(return_residuals, "return_residuals"):
     warnings.warn(
