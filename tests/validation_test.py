@@ -88,7 +88,7 @@ class ValidationTest(parameterized.TestCase):
   def test_bad_options(self):
     q, k, v = _arrays()
     with self.assertRaisesRegex(ValueError, "implementation must be one of"):
-      self._call(q, k, v, implementation="cudnn")
+      self._call(q, k, v, implementation="flash3")
     with self.assertRaisesRegex(ValueError, "block_sizes must be"):
       self._call(q, k, v, block_sizes={"block_q": 16})
     with self.assertRaisesRegex(ValueError, "is_causal must be a bool"):
