@@ -49,7 +49,7 @@ def _options():
       "soft_cap": dict(logits_soft_cap=20.0),
       "window": dict(local_window_size=(17, 5)),
       "bottom_right": dict(causal_alignment="bottom_right"),
-      "residuals": dict(return_residuals=True),
+      "residuals": dict(return_residual=True),
       "segments": dict(q_segment_ids=ids(q_len), kv_segment_ids=ids(kv_len)),
       "bias_per_head": dict(
           bias=jnp.ones((2, num_heads, q_len, kv_len), jnp.float32)),

@@ -102,7 +102,8 @@ class DropoutTest(test_base.BackendTestCase):
 
   def test_keys_rates_and_the_lse(self):
     q, k, v, _ = test_util.random_inputs(104, q_len=24, kv_len=24)
-    flash = jax.jit(self.flash(is_causal=True, return_residuals=True),
+    flash = jax.jit(self.flash(is_causal=True, return_residual=True,
+                               residual_dtype=jnp.float32),
                     static_argnames="dropout_rate")
     key1, key2 = jax.random.key(1), jax.random.key(2)
     out1, lse1 = flash(q, k, v, dropout_rate=0.5, dropout_rng=key1)

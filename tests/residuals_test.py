@@ -1,4 +1,4 @@
-"""return_residuals=True: the log-sum-exp, and its gradient.
+"""return_residual=True: the log-sum-exp, its dtypes and its gradient.
 
 Runs per backend (tests/test_base.py): the Pallas kernels and the XLA path.
 """
@@ -20,7 +20,8 @@ from tests import test_util
 class ResidualsTest(test_base.BackendTestCase):
 
   def _flash(self, **kwargs):
-    return self.flash(return_residuals=True, **kwargs)
+    return self.flash(return_residual=True, residual_dtype=jnp.float32,
+                      **kwargs)
 
   @parameterized.named_parameters(
       ("plain", {}), ("causal_gqa", dict(is_causal=True)),
@@ -39,8 +40,8 @@ class ResidualsTest(test_base.BackendTestCase):
 
     ours = jax.jit(results, static_argnums=0)(self._flash(**kwargs), q, k, v)
     reference = functools.partial(
-        jflash.flash_attention, implementation="xla", return_residuals=True,
-        **kwargs)
+        jflash.flash_attention, implementation="xla", return_residual=True,
+        residual_dtype=jnp.float32, **kwargs)
     with jax.default_matmul_precision("highest"):
       expected = jax.jit(results, static_argnums=0)(reference, q, k, v)
     names = ("out", "lse", "dq", "dk", "dv")
@@ -91,6 +92,27 @@ class ResidualsTest(test_base.BackendTestCase):
     self.assertEqual((out.shape, lse.shape), (q.shape[1:], (8, 2)))
     out, lse = self._flash()(q, k[:, :0], v[:, :0])
     np.testing.assert_array_equal(lse, -np.inf)
+
+  def test_deprecated_spelling_is_the_float32_lse(self):
+    q, k, v, _ = test_util.random_inputs(65, q_len=8, kv_len=8,
+                                         dtype="bfloat16")
+    with self.assertWarnsRegex(DeprecationWarning,
+                               "return_residuals is deprecated"):
+      old = self.flash(return_residuals=True)(q, k, v)
+    new = self._flash()(q, k, v)
+    self.assertEqual(old[1].dtype, jnp.float32)
+    chex.assert_trees_all_equal(old, new)
+
+  @parameterized.named_parameters(
+      ("not_floating", dict(return_residual=True, residual_dtype=jnp.int32),
+       "residual_dtype must be a floating dtype"),
+      ("without_residual", dict(residual_dtype=jnp.float32),
+       "applies only with return_residual=True"))
+  def test_bad_residual_dtype(self, options, message):
+    q, k, v, _ = test_util.random_inputs(66, q_len=8, kv_len=8)
+    with self.assertRaisesRegex(ValueError, message):
+      jflash.flash_attention(q, k, v, implementation=self.implementation,
+                             **self.options, **options)
 
 
 test_base.for_each_backend(globals(), ResidualsTest)

@@ -93,7 +93,7 @@ class SinksTest(test_base.BackendTestCase):
                                causal_alignment="bottom_right",
                                query_seq_lengths=q_lens,
                                key_value_seq_lengths=kv_lens,
-                               return_residuals=True)
+                               return_residual=True, residual_dtype=jnp.float32)
       (out, lse), vjp = jax.vjp(fn, q, k, v, sinks)
       return (out, lse, *vjp((dout, dlse)))
 
@@ -136,7 +136,8 @@ class SinksTest(test_base.BackendTestCase):
   def test_no_keys_at_all(self):
     q, k, v, _ = test_util.random_inputs(85, q_len=8, kv_len=0)
     sinks = jnp.array([0.25, 3.0])
-    out, lse = self.flash(sinks=sinks, return_residuals=True,
+    out, lse = self.flash(sinks=sinks, return_residual=True,
+                          residual_dtype=jnp.float32,
                           query_seq_lengths=jnp.array([8, 5]))(q, k, v)
     np.testing.assert_array_equal(out, 0.0)
     np.testing.assert_array_equal(lse[0], np.broadcast_to(sinks, (8, 2)))
