@@ -5,6 +5,11 @@ forward+backward (`jax.grad` of `sum(out * cotangent)` with respect to q, k and
 v), each under `jax.jit`:
 
   triton: `jflash.flash_attention(..., implementation="triton")`
+  mosaic: `jflash.flash_attention(..., implementation="mosaic")` (Hopper;
+          its passes only: fwd+bwd reports an error while it has no
+          backward)
+  jflash: `jflash.flash_attention(...)`, the default choice per pass
+          (on Hopper: Mosaic forward, Triton backward for now)
   cudnn:  `jax.nn.dot_product_attention(..., implementation="cudnn")`
   xla:    `jax.nn.dot_product_attention(..., implementation="xla")`; it
           materializes the [N, N] scores, so it is skipped above
@@ -77,7 +82,7 @@ import jax
 import jax.numpy as jnp
 import tqdm
 
-IMPLS = ("triton", "cudnn", "xla", "mha")
+IMPLS = ("triton", "mosaic", "jflash", "cudnn", "xla", "mha")
 PASSES = ("fwd", "fwd+bwd")
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -229,18 +234,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def attention_fn(impl: str, is_causal: bool) -> Callable[..., jax.Array]:
   """Returns `f(q, k, v) -> out` for one implementation."""
-  if impl == "triton":
+  if impl in ("triton", "mosaic", "jflash"):
     # Imported only when asked for, so the script runs (e.g. `--impls xla`)
     # while jflash itself is broken or absent.
     import jflash  # pylint: disable=g-import-not-at-top
 
-    # Off the GPU the kernels only run in the Pallas interpreter.
-    interpret = jax.default_backend() != "gpu"
+    # Off the GPU the Triton kernels only run in the Pallas interpreter.
+    options = {}
+    if impl == "triton" and jax.default_backend() != "gpu":
+      options["interpret"] = True
+    # "jflash": the default choice (implementation=None), per pass.
+    implementation = None if impl == "jflash" else impl
 
     def f(q, k, v):
       return jflash.flash_attention(
-          q, k, v, is_causal=is_causal, implementation="triton",
-          interpret=interpret)
+          q, k, v, is_causal=is_causal, implementation=implementation,
+          **options)
     return f
 
   if impl == "mha":

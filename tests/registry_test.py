@@ -12,6 +12,7 @@ import numpy as np
 import jflash
 from jflash._src import api
 from jflash._src import binding
+from jflash._src import platform
 from jflash._src import registry
 from jflash._src.backends.triton import backend as triton_backend
 from tests import test_util
@@ -33,10 +34,17 @@ class RegistryTest(absltest.TestCase):
 
   def test_implementations_lists_every_backend(self):
     listing = {b["name"]: b for b in jflash.implementations()}
-    self.assertEqual(list(listing), ["triton", "xla", "cudnn"])
+    self.assertEqual(list(listing), ["mosaic", "triton", "xla", "cudnn"])
     triton, xla, cudnn = listing["triton"], listing["xla"], listing["cudnn"]
+    mosaic = listing["mosaic"]
     self.assertEqual(triton["available"], test_util.ON_GPU)
     self.assertEqual(triton["default_here"], test_util.ON_GPU)
+    on_hopper = platform.cuda_compute_capability() == "9.0"
+    self.assertEqual(mosaic["available"], on_hopper)
+    self.assertEqual(mosaic["default_here"], on_hopper)
+    self.assertEqual(mosaic["compute_capabilities"], ["9.0"])
+    self.assertEqual(mosaic["head_dims"], [64, 128, 256])
+    self.assertFalse(mosaic["interpretable"])
     self.assertEqual(xla["default_here"], not test_util.ON_GPU)
     self.assertEqual(xla["fallback_on"], ["cuda"])
     self.assertTrue(cudnn["named_only"])
@@ -71,6 +79,44 @@ class RegistryTest(absltest.TestCase):
             registry.get(name), call.spec, "forward", call.options)
         self.assertStartsWith(reason, expected)
         self.assertEqual(reason.count(". "), 0, msg=reason)
+
+  def test_reasons_name_the_compute_capability_and_head_dims(self):
+    mosaic = registry.get("mosaic")
+    q = jnp.ones((1, 8, 2, 96), jnp.bfloat16)
+    call = api.describe(q, q, q)
+    with mock.patch.object(registry, "current_platform",
+                           return_value="cuda"):
+      with mock.patch.object(platform, "cuda_compute_capability",
+                             return_value="8.0"):
+        self.assertEqual(
+            registry.unsupported_reason(mosaic, call.spec, "forward", {}),
+            "mosaic needs a GPU of compute capability 9.0; this one is "
+            "8.0.")
+      with mock.patch.object(platform, "cuda_compute_capability",
+                             return_value="9.0"):
+        self.assertEqual(
+            registry.unsupported_reason(mosaic, call.spec, "forward", {}),
+            "mosaic supports head_dim in {64, 128, 256}; got head_dim=96.")
+
+  def test_a_named_forward_only_backend_raises_when_differentiated(self):
+    # Its forward runs; the gradient names the pass it lacks.
+    forward_only = dataclasses.replace(
+        triton_backend.BACKEND, name="forward_only",
+        capabilities=dataclasses.replace(
+            triton_backend.CAPABILITIES,
+            passes=frozenset({registry.FORWARD})),
+        backward=None)
+    q, k, v, _ = test_util.random_inputs(153, q_len=16, kv_len=16,
+                                         num_heads=2)
+    fn = lambda q: jflash.flash_attention(
+        q, k, v, implementation="forward_only", **KERNELS).sum()
+    with _registered(forward_only, priority=0):
+      self.assertTrue(np.isfinite(float(fn(q))))
+      with self.assertRaisesRegex(
+          NotImplementedError, "implementation='forward_only' cannot run "
+          "the backward pass of this call: forward_only has no backward "
+          "pass."):
+        jax.grad(fn)(q)
 
   def test_a_named_backend_that_cannot_run_raises_before_tracing(self):
     q = jnp.ones((1, 8, 2, 320))

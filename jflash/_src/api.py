@@ -363,7 +363,9 @@ def implementations() -> list[dict]:
 
   `implementation=None` picks, per pass (forward, backward), the first one
   that supports the call and may run here by default; naming one forces it
-  for both passes.
+  for both passes (a named backend that cannot run the backward of a call
+  still runs its forward: differentiating it then raises
+  NotImplementedError).
 
   Returns:
     One dict per backend: "name"; "available" (runs on this machine without

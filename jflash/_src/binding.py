@@ -107,6 +107,8 @@ def _forward_rule(spec: CallSpec, plan: registry.Plan, partition: bool,
 
 def _backward_rule(spec: CallSpec, plan: registry.Plan, partition: bool,
                    residuals, cotangent):
+  if plan.backward is None:
+    raise NotImplementedError(plan.backward_error)
   operands, out, lse2 = residuals
   dlse = None
   if spec.return_lse:

@@ -20,3 +20,11 @@ def cuda_gpu_available() -> bool:
 def device_kind() -> str:
   """`device_kind` of the default device, e.g. "NVIDIA H100 80GB HBM3"."""
   return jax.devices()[0].device_kind
+
+
+def cuda_compute_capability() -> str | None:
+  """The default device's CUDA compute capability ("9.0"), or None when
+  it is no CUDA GPU."""
+  if not cuda_gpu_available():
+    return None
+  return str(getattr(jax.devices()[0], "compute_capability", "")) or None

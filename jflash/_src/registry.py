@@ -78,6 +78,10 @@ class Capabilities:
       correct, but it stores the [q_len, kv_len] scores).
     named_only: it runs only when named (`implementation=...`), never
       chosen by `implementation=None`.
+    head_dims: the exact head dimensions it takes, or None for any up to
+      `max_head_dim`.
+    compute_capabilities: on CUDA, the compute capabilities it runs on
+      (e.g. "9.0" for Hopper), or None for any.
   """
 
   passes: frozenset[str]
@@ -90,6 +94,8 @@ class Capabilities:
   interpretable: bool = False
   fallback_on: frozenset[str] = frozenset()
   named_only: bool = False
+  head_dims: frozenset[int] | None = None
+  compute_capabilities: frozenset[str] | None = None
 
   def describe(self) -> dict[str, Any]:
     """A plain-data summary for users (`jflash.implementations()`)."""
@@ -108,6 +114,10 @@ class Capabilities:
         "interpretable": self.interpretable,
         "fallback_on": sorted(self.fallback_on),
         "named_only": self.named_only,
+        "head_dims": None if self.head_dims is None else sorted(
+            self.head_dims),
+        "compute_capabilities": None if self.compute_capabilities is None
+        else sorted(self.compute_capabilities),
     }
 
 
@@ -193,11 +203,21 @@ def unsupported_reason(backend: Backend, spec: CallSpec, pass_: str,
             "interpreter" if caps.interpretable else "")
     return (f"{name} needs {needs}, and JAX's default backend is "
             f"{jax.default_backend()!r}{hint}.")
+  capability = platform.cuda_compute_capability()
+  if (caps.compute_capabilities is not None and not interpreted
+      and capability not in caps.compute_capabilities):
+    return (f"{name} needs a GPU of compute capability "
+            f"{' or '.join(sorted(caps.compute_capabilities))}; this one "
+            f"is {capability}.")
   if spec.dtype not in caps.dtypes:
     return (f"{name} supports dtypes {', '.join(caps.dtypes)}; got "
             f"{spec.dtype}.")
   if caps.max_head_dim is not None and spec.head_dim > caps.max_head_dim:
     return (f"{name} supports head_dim <= {caps.max_head_dim}; got "
+            f"head_dim={spec.head_dim}.")
+  if caps.head_dims is not None and spec.head_dim not in caps.head_dims:
+    return (f"{name} supports head_dim in "
+            f"{{{', '.join(map(str, sorted(caps.head_dims)))}}}; got "
             f"head_dim={spec.head_dim}.")
   masks, opts = call_features(spec)
   missing = sorted((masks - caps.mask_features) | (opts - caps.options))
@@ -221,12 +241,17 @@ def _is_fallback_here(backend: Backend) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Which backend runs each pass, with its configuration (hashable)."""
+  """Which backend runs each pass, with its configuration (hashable).
+
+  `backward` is None when the named implementation cannot run the backward
+  pass of the call: differentiating it raises `backward_error`.
+  """
 
   forward: str
   forward_config: Any
-  backward: str
+  backward: str | None
   backward_config: Any
+  backward_error: str | None = None
 
 
 def plan(spec: CallSpec, implementation: str | None,
@@ -260,13 +285,21 @@ def plan(spec: CallSpec, implementation: str | None,
     candidates = [get(n) for n in names()
                   if set(options) <= get(n).option_names]
   chosen = {}
+  backward_error = None
   for pass_ in PASSES:
     if implementation is not None:
       reason = unsupported_reason(candidates[0], spec, pass_, options)
-      if reason is not None:
-        raise NotImplementedError(
-            f"jflash.flash_attention: implementation={implementation!r} "
-            f"cannot run this call: {reason}")
+      error = reason and (
+          f"jflash.flash_attention: implementation={implementation!r} "
+          f"cannot run the {pass_} pass of this call: {reason}")
+      if error and pass_ == FORWARD:
+        raise NotImplementedError(error)
+      if error:
+        # The forward runs; differentiating the call raises this (a named
+        # forward-only backend serves calls that are never differentiated).
+        backward_error = error
+        chosen[pass_] = None
+        continue
       chosen[pass_] = candidates[0]
       continue
     chosen[pass_], reasons = _first_supporting(
@@ -283,15 +316,17 @@ def plan(spec: CallSpec, implementation: str | None,
           f"jflash.flash_attention: running the {pass_} pass on the "
           f"{chosen[pass_].name!r} fallback: {' '.join(reasons)}",
           stacklevel=4)
-  configs = {}
+  configs = {None: None}
   for backend in chosen.values():
-    configs[backend.name] = backend.configure(
-        spec, {k: v for k, v in options.items()
-               if k in backend.option_names})
+    if backend is not None:
+      configs[backend.name] = backend.configure(
+          spec, {k: v for k, v in options.items()
+                 if k in backend.option_names})
+  backward = chosen[BACKWARD] and chosen[BACKWARD].name
   return Plan(forward=chosen[FORWARD].name,
               forward_config=configs[chosen[FORWARD].name],
-              backward=chosen[BACKWARD].name,
-              backward_config=configs[chosen[BACKWARD].name])
+              backward=backward, backward_config=configs[backward],
+              backward_error=backward_error)
 
 
 def _first_supporting(backends, spec, pass_, options):
@@ -320,7 +355,10 @@ def implementations() -> list[dict[str, Any]]:
     backend = get(name)
     caps = backend.capabilities
     available = (caps.platforms is None
-                 or current_platform() in caps.platforms)
+                 or current_platform() in caps.platforms) and (
+                     caps.compute_capabilities is None
+                     or platform.cuda_compute_capability()
+                     in caps.compute_capabilities)
     result.append(dict(
         name=name, available=available,
         default_here=available and _is_default_here(backend),

@@ -6,8 +6,10 @@ To add a backend: see "How to add a backend" in WORKSPACE_NOTES.md.
 from jflash._src import registry
 from jflash._src.backends import cudnn
 from jflash._src.backends import xla
+from jflash._src.backends.mosaic import backend as mosaic
 from jflash._src.backends.triton import backend as triton
 
+registry.register(mosaic.BACKEND)
 registry.register(triton.BACKEND)
 registry.register(xla.BACKEND)
 registry.register(cudnn.BACKEND)

@@ -1,0 +1,2 @@
+"""The Mosaic GPU backend (Hopper): everything that imports
+pallas.mosaic_gpu."""

@@ -1,0 +1,350 @@
+"""Forward kernel on Mosaic GPU (Hopper, sm90): warp-specialized attention.
+
+FlashAttention-3 (Shah et al., 2024), forward, without FP8: one block
+computes 2 * block_q query rows of one (batch, head) with three warpgroups.
+
+- Warpgroup 2, the producer (few registers), streams K and V tiles with TMA
+  into a ring of `num_stages` shared-memory slots. A slot is refilled once
+  both compute warpgroups have arrived on its "consumed" barrier.
+- Warpgroups 0 and 1, the consumers (most registers), own block_q rows
+  each: Q^T tile in shared memory, S = Q K^T by wgmma (both operands in
+  shared memory), the online softmax in registers in base 2 with the scale
+  folded in, then O += P V by wgmma with P from registers.
+- Ping-pong: a two-arrival "schedule" barrier makes the two consumers take
+  turns, so that one's softmax overlaps the other's matrix products (the
+  tensor cores are never idle while a warpgroup computes exponentials).
+- The output goes back through the Q slot of shared memory and a TMA store;
+  the lse (base 2, float32, `numerics.py`) through its own small slot.
+
+Masks come from `masks.py`, as for every backend: the key tiles a query
+tile visits (fully masked tiles are never visited) and the element-wise
+predicate, applied only on tiles the mask cuts. The producer loads the union
+of the two consumers' tiles; a consumer steps over the tiles outside its own
+range without computing (it still waits and arrives on their barriers, so
+every barrier's phase stays in step).
+
+Shapes: q [B, T, N, H], k/v [B, S, K, H], H a multiple of 64. The TMA
+tiling of shared memory takes sequence lengths in multiples of 8 rows:
+`forward_call` pads T and S up to one (zeros, a copy only for such
+lengths) and the kernel masks by the true lengths. Rows and keys past the
+arrays' ends come in as zeros (TMA's out-of-bounds fill) and are masked;
+stores past the ends are dropped by TMA.
+
+Outputs: O in the input dtype and lse2 float32 [B, N, T], as the Triton
+forward (a row that sees no key: O = 0, lse2 = +inf).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from jflash._src import masks
+from jflash._src import numerics
+from jflash._src.backends.mosaic.config import MosaicBlockSizes
+from jflash._src.spec import CallSpec
+from jflash._src.spec import MaskSpec
+
+# Warpgroups of a block: two consumers, then the producer.
+COMPUTE_WARPGROUPS = 2
+PRODUCER = 2
+# Register budgets per thread after `set_max_registers` (the three
+# warpgroups share 64K registers: 2 * 232 + 40 <= 512 per thread-slot).
+COMPUTE_REGISTERS = 232
+PRODUCER_REGISTERS = 40
+# TMA row granularity of the shared-memory tiling: sequence lengths must be
+# multiples of it.
+SEQ_ALIGN = 8
+
+
+def smem_transforms(dtype) -> tuple:
+  """Tiling and 128-byte swizzle of a [rows, head_dim] 16-bit tile (the
+  layout wgmma reads without bank conflicts)."""
+  swizzle = 128
+  columns = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(swizzle))
+
+
+def _as_int32(x):
+  return jnp.asarray(x, jnp.int32)
+
+
+def _runs_within(runs, lo, hi):
+  """A consumer's runs of tiles, clipped to the producer's [lo, hi), with
+  the tiles before and after them as runs to skip ("skip")."""
+  own_lo = jnp.minimum(jnp.maximum(_as_int32(runs[0][0]), lo), hi)
+  own_hi = jnp.minimum(jnp.maximum(_as_int32(runs[-1][1]), own_lo), hi)
+  clip = lambda x: jnp.minimum(jnp.maximum(_as_int32(x), own_lo), own_hi)
+  return ([(lo, own_lo, "skip")]
+          + [(clip(a), clip(b), "masked" if needs_mask else "full")
+             for a, b, needs_mask in runs]
+          + [(own_hi, hi, "skip")])
+
+
+def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
+                   out_ref, lse_ref, scratch, *, mask: MaskSpec,
+                   scale: float, soft_cap: float | None,
+                   block_sizes: MosaicBlockSizes, group: int, q_seq: int,
+                   kv_seq: int):
+  (qo_smem, k_smem, v_smem, lse_smem), barriers = scratch
+  (q_ready, k_ready, v_ready, k_consumed, v_consumed,
+   schedule) = barriers
+  block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
+  stages = block_sizes.num_stages
+  head_dim = q_ref.shape[3]
+  dtype = q_ref.dtype
+  block_rows = COMPUTE_WARPGROUPS * block_q
+
+  batch = lax.axis_index("batch")
+  head = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  tile = lax.axis_index("q_tiles")
+  if mask.is_causal:
+    # Longest tiles first (they visit the most key tiles).
+    tile = (pl.cdiv(q_seq, block_rows) - 1) - tile
+  block_start = tile * block_rows
+
+  if mask.has_lengths:
+    q_len, kv_len = q_lengths_ref[batch], kv_lengths_ref[batch]
+  else:
+    q_len, kv_len = q_seq, kv_seq
+  offset = masks.causal_offset(mask, q_len, kv_len)
+  # The key tiles any row of the block visits: what the producer loads.
+  union = masks.key_blocks(mask, block_start, block_rows, block_kv, q_len,
+                           kv_len, offset).runs()
+  steps_lo = _as_int32(union[0][0])
+  steps_hi = jnp.maximum(_as_int32(union[-1][1]), steps_lo)
+
+  def slot_of(step):
+    return lax.rem(step - steps_lo, stages)
+
+  def take_turn():
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < COMPUTE_WARPGROUPS)
+  def _consumer():
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    q_start = block_start + wg * block_q
+    q_tile = qo_smem.at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head],
+                            q_tile, q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    tile_shape = (block_q, block_kv)
+    rows = q_start + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0,
+                                            layout=wgmma_layout)
+    columns = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
+                                     layout=wgmma_layout)
+
+    def step(kv_step, carry, *, kind: str):
+      acc, row_max, row_sum = carry
+      slot = slot_of(kv_step)
+      plgpu.barrier_wait(k_ready.at[slot])
+      if kind == "skip":
+        # Outside this warpgroup's rows: keep the barriers' phases and the
+        # ping-pong in step with the other consumer, compute nothing.
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        take_turn()
+        take_turn()
+        return carry
+
+      def scores(acc_ref):
+        plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
+        take_turn()
+        return acc_ref[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
+      plgpu.barrier_arrive(k_consumed.at[slot])
+
+      # Base-2 logits; without a cap or mask the scale is applied to the
+      # row max (one multiply per row) and fused into the exponent.
+      if soft_cap is None and kind == "full":
+        scale2 = scale * numerics.LOG2_E
+        new_max = jnp.maximum(row_max, s.max(axis=1) * scale2)
+        probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(
+            new_max, tile_shape, [0]))
+      else:
+        logits, _ = numerics.logits_base2(s, scale=scale, soft_cap=soft_cap)
+        if kind == "masked":
+          seen = masks.visible(mask, rows, columns + kv_step * block_kv,
+                               kv_len, offset)
+          logits = jnp.where(seen, logits, numerics.MASK_VALUE)
+        new_max = jnp.maximum(row_max, logits.max(axis=1))
+        probs = jnp.exp2(logits - lax.broadcast_in_dim(new_max, tile_shape,
+                                                       [0]))
+        if kind == "masked":
+          # Exact zeros, also for rows that have seen no visible key yet
+          # (their max is MASK_VALUE and the line above gives 1).
+          probs = jnp.where(seen, probs, 0.0)
+      correction = jnp.exp2(row_max - new_max)
+      acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+      row_sum = row_sum * correction + probs.sum(axis=1)
+      probs = probs.astype(dtype)
+      plgpu.barrier_arrive(schedule)  # This warpgroup's softmax is done.
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_wait(schedule)  # The other one has issued its QK^T.
+
+      def accumulate(acc_ref):
+        plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+
+      acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_consumed.at[slot])
+      return acc, new_max, row_sum
+
+    carry = (
+        plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+                          wgmma_layout),
+        plgpu.layout_cast(
+            jnp.full((block_q,), numerics.MASK_VALUE, jnp.float32),
+            row_layout),
+        plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout),
+    )
+    own = masks.key_blocks(mask, q_start, block_q, block_kv, q_len, kv_len,
+                           offset).runs()
+    # The second consumer starts one turn later: from then on the two
+    # alternate between matrix products and softmax.
+    pl.when(wg == 1)(take_turn)
+    for lo, hi, kind in _runs_within(own, steps_lo, steps_hi):
+      carry = lax.fori_loop(lo, hi, functools.partial(step, kind=kind),
+                            carry)
+    pl.when(wg == 0)(take_turn)
+    acc, row_max, row_sum = carry
+
+    # A row has a visible key iff its sum is positive (masked probabilities
+    # are exact zeros); rows past q_len have none.
+    row_ids = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0,
+                                               layout=row_layout)
+    has_keys = jnp.logical_and(row_sum > 0.0, row_ids < q_len)
+    safe_sum = jnp.where(has_keys, row_sum, 1.0)
+    inverse = jnp.where(has_keys, 1.0 / safe_sum, 0.0)
+    out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
+    lse = jnp.where(has_keys, row_max + jnp.log2(safe_sum), jnp.inf)
+    q_tile[...] = out.astype(dtype)
+    lse_smem.at[wg][...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_tile,
+                            out_ref.at[batch, pl.ds(q_start, block_q), head])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                            lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == PRODUCER)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    kv_head = lax.div(head, jnp.int32(group))
+
+    def load(step, slot):
+      rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot],
+                              k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot],
+                              v_ready.at[slot])
+
+    for i in range(stages):
+      pl.when(steps_lo + i < steps_hi)(
+          functools.partial(load, steps_lo + i, i))
+
+    @pl.loop(steps_lo + stages, steps_hi)
+    def _refill(step):
+      slot = slot_of(step)
+      plgpu.barrier_wait(k_consumed.at[slot])
+      plgpu.barrier_wait(v_consumed.at[slot])
+      load(step, slot)
+
+
+def pad_rows(x, multiple: int):
+  """x [B, L, ...] with L padded up to a multiple (zeros); x itself when
+  L already is one."""
+  extra = -x.shape[1] % multiple
+  if not extra:
+    return x
+  return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
+
+
+def forward_call(query, key, value, q_lengths, kv_lengths, *,
+                 spec: CallSpec, block_sizes: MosaicBlockSizes):
+  """Launches the forward kernel.
+
+  Args:
+    query: [B, T, N, H], H a multiple of 64.
+    key, value: [B, S, K, H].
+    q_lengths, kv_lengths: int32 [B], or None without lengths.
+    spec: the call.
+    block_sizes: the tiles.
+
+  Returns:
+    (out [B, T, N, H] in query.dtype, lse2 float32 [B, N, T]).
+  """
+  batch, q_seq, num_heads, head_dim = query.shape
+  kv_seq, num_kv_heads = key.shape[1:3]
+  dtype = query.dtype
+  query = pad_rows(query, SEQ_ALIGN)
+  key, value = pad_rows(key, SEQ_ALIGN), pad_rows(value, SEQ_ALIGN)
+  block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
+  stages = block_sizes.num_stages
+  if q_lengths is None:
+    q_lengths = kv_lengths = jnp.zeros((batch,), jnp.int32)  # Unread.
+  transforms = smem_transforms(dtype)
+  scratch = (
+      (
+          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype,
+                     transforms=transforms),
+          plgpu.SMEM((stages, block_kv, head_dim), dtype,
+                     transforms=transforms),
+          plgpu.SMEM((stages, block_kv, head_dim), dtype,
+                     transforms=transforms),
+          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),
+      ),
+      (
+          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
+                        num_barriers=stages),
+          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
+                        num_barriers=stages),
+          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+      ),
+  )
+  kernel = functools.partial(
+      forward_kernel, mask=spec.mask, scale=spec.scale,
+      soft_cap=spec.logits_soft_cap, block_sizes=block_sizes,
+      group=num_heads // num_kv_heads, q_seq=q_seq, kv_seq=kv_seq)
+
+  def body(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref):
+    pl.run_scoped(
+        lambda *scoped: kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,
+                               out_ref, lse_ref, scoped),
+        *scratch, collective_axes="wg")
+
+  num_tiles = pl.cdiv(q_seq, COMPUTE_WARPGROUPS * block_q)
+  # The lse rows of the last tile are stored by a 1-D copy, which TMA
+  # bounds by the whole array, not per row: past T they would land on the
+  # next head's rows. Its array is padded to whole tiles instead.
+  lse_seq = num_tiles * COMPUTE_WARPGROUPS * block_q
+  out, lse2 = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct(query.shape, dtype),
+                jax.ShapeDtypeStruct((batch, num_heads, lse_seq),
+                                     jnp.float32)),
+      grid=(num_tiles, num_heads, batch),
+      grid_names=("q_tiles", "heads", "batch"),
+      num_threads=COMPUTE_WARPGROUPS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(query, key, value, q_lengths, kv_lengths)
+  if out.shape[1] != q_seq:
+    out = out[:, :q_seq]
+  if lse_seq != q_seq:
+    lse2 = lse2[..., :q_seq]
+  return out, lse2
