@@ -46,6 +46,9 @@ CASES = [
         query_seq_lengths=(320, 100, 0), key_value_seq_lengths=(448, 17, 5),
         is_causal=True)),
     (2, 4096, 4096, 8, 8, 128, "bfloat16", dict(is_causal=True)),
+    (2, 200, 200, 4, 2, 64, "bfloat16", dict(
+        is_causal=True, sinks=(0.5, -1.0, 3.0, 0.0),
+        query_seq_lengths=(200, 50), key_value_seq_lengths=(0, 120))),
 ]
 
 
@@ -59,6 +62,8 @@ def check(case, implementation):
   for name in ("query_seq_lengths", "key_value_seq_lengths"):
     if name in options:
       options[name] = jnp.array(options[name], jnp.int32)
+  if "sinks" in options:
+    options["sinks"] = jnp.array(options["sinks"], jnp.float32)
 
   def run(impl, *args):
     return jflash.flash_attention(*args, implementation=impl,

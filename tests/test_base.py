@@ -45,6 +45,11 @@ TARGETS = (
                       ("block_sizes", test_util.SMALL_BLOCKS))),
     Target("xla"),
 )
+# Mosaic GPU kernels have no interpreter: they run in the GPU suite (on a
+# GPU other than Hopper each test skips with the registry's reason), and on
+# CPU tests/mosaic_lowering_test.py lowers them for CUDA.
+if test_util.ON_GPU:
+  TARGETS += (Target("mosaic"),)
 
 
 class BackendTestCase(parameterized.TestCase):

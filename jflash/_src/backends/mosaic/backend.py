@@ -25,7 +25,7 @@ CAPABILITIES = registry.Capabilities(
     max_head_dim=256,
     head_dims=frozenset({64, 128, 256}),
     mask_features=frozenset({"causal", "bottom_right", "window", "lengths"}),
-    options=frozenset({"soft_cap", "return_lse"}),
+    options=frozenset({"soft_cap", "sinks", "return_lse"}),
     platforms=frozenset({"cuda"}),
     compute_capabilities=frozenset({"9.0"}),
 )
@@ -46,7 +46,7 @@ def forward(spec: CallSpec, config: MosaicConfig, operands: Operands):
     q_lengths, kv_lengths = operands.lengths()
   return forward_kernels.forward_call(
       operands.query, operands.key, operands.value, q_lengths, kv_lengths,
-      spec=spec, block_sizes=config.block_sizes)
+      operands.sinks, spec=spec, block_sizes=config.block_sizes)
 
 
 BACKEND = registry.Backend(

@@ -31,7 +31,9 @@ arrays' ends come in as zeros (TMA's out-of-bounds fill) and are masked;
 stores past the ends are dropped by TMA.
 
 Outputs: O in the input dtype and lse2 float32 [B, N, T], as the Triton
-forward (a row that sees no key: O = 0, lse2 = +inf).
+forward (a row that sees no key: O = 0, lse2 = +inf; with attention sinks
+the lse includes the sink, and such a row before q_len gets lse2 = its
+sink).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def _runs_within(runs, lo, hi):
 
 
 def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
-                   out_ref, lse_ref, scratch, *, mask: MaskSpec,
+                   sinks_ref, out_ref, lse_ref, scratch, *, mask: MaskSpec,
                    scale: float, soft_cap: float | None,
                    block_sizes: MosaicBlockSizes, group: int, q_seq: int,
                    kv_seq: int):
@@ -201,13 +203,18 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
       plgpu.barrier_arrive(v_consumed.at[slot])
       return acc, new_max, row_sum
 
+    # Row max and row sum: nothing seen yet; with a sink, one key of logit
+    # `sink` that adds no value (max = sink, sum = 1; modifiers.py).
+    start_max, start_sum = numerics.MASK_VALUE, 0.0
+    if sinks_ref is not None:
+      start_max, start_sum = sinks_ref[batch, head] * numerics.LOG2_E, 1.0
     carry = (
         plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
                           wgmma_layout),
-        plgpu.layout_cast(
-            jnp.full((block_q,), numerics.MASK_VALUE, jnp.float32),
-            row_layout),
-        plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout),
+        plgpu.layout_cast(jnp.full((block_q,), start_max, jnp.float32),
+                          row_layout),
+        plgpu.layout_cast(jnp.full((block_q,), start_sum, jnp.float32),
+                          row_layout),
     )
     own = masks.key_blocks(mask, q_start, block_q, block_kv, q_len, kv_len,
                            offset).runs()
@@ -271,7 +278,7 @@ def pad_rows(x, multiple: int):
   return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
 
 
-def forward_call(query, key, value, q_lengths, kv_lengths, *,
+def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None, *,
                  spec: CallSpec, block_sizes: MosaicBlockSizes):
   """Launches the forward kernel.
 
@@ -279,6 +286,7 @@ def forward_call(query, key, value, q_lengths, kv_lengths, *,
     query: [B, T, N, H], H a multiple of 64.
     key, value: [B, S, K, H].
     q_lengths, kv_lengths: int32 [B], or None without lengths.
+    sinks: float32 [B, N] natural-log sink logits, or None.
     spec: the call.
     block_sizes: the tiles.
 
@@ -321,10 +329,12 @@ def forward_call(query, key, value, q_lengths, kv_lengths, *,
       soft_cap=spec.logits_soft_cap, block_sizes=block_sizes,
       group=num_heads // num_kv_heads, q_seq=q_seq, kv_seq=kv_seq)
 
-  def body(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref):
+  def body(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs):
+    sinks_ref = refs[0] if sinks is not None else None
+    out_ref, lse_ref = refs[-2:]
     pl.run_scoped(
         lambda *scoped: kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,
-                               out_ref, lse_ref, scoped),
+                               sinks_ref, out_ref, lse_ref, scoped),
         *scratch, collective_axes="wg")
 
   num_tiles = pl.cdiv(q_seq, COMPUTE_WARPGROUPS * block_q)
@@ -342,7 +352,8 @@ def forward_call(query, key, value, q_lengths, kv_lengths, *,
       num_threads=COMPUTE_WARPGROUPS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(query, key, value, q_lengths, kv_lengths)
+  )(query, key, value, q_lengths, kv_lengths,
+    *([] if sinks is None else [sinks.astype(jnp.float32)]))
   if out.shape[1] != q_seq:
     out = out[:, :q_seq]
   if lse_seq != q_seq:
