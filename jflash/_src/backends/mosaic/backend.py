@@ -2,8 +2,8 @@
 
 It runs where it is fastest: on a GPU of compute capability 9.0 (H100,
 H200) `implementation=None` chooses it first for every pass it supports
-(forward.py, per the registry's per-pass choice), and the Triton backend
-serves the rest. Its kernels need Hopper instructions (wgmma, TMA,
+(forward.py, backward.py; the registry chooses per pass), and the Triton
+backend serves the rest. Its kernels need Hopper instructions (wgmma, TMA,
 setmaxnreg): no interpreter runs them, so CPU tests lower them for CUDA
 (tests/mosaic_lowering_test.py) and the GPU suite runs them.
 """
@@ -12,15 +12,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
+from jflash._src import modifiers
 from jflash._src import registry
+from jflash._src.backends.mosaic import backward as backward_kernels
 from jflash._src.backends.mosaic import forward as forward_kernels
 from jflash._src.backends.mosaic.config import MosaicConfig
+from jflash._src.backends.mosaic.config import default_backward_block_sizes
 from jflash._src.backends.mosaic.config import default_block_sizes
 from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
 
 CAPABILITIES = registry.Capabilities(
-    passes=frozenset({registry.FORWARD}),
+    passes=frozenset(registry.PASSES),
     dtypes=("bfloat16", "float16"),
     max_head_dim=256,
     head_dims=frozenset({64, 128, 256}),
@@ -35,18 +40,50 @@ def configure(spec: CallSpec, options: dict[str, Any]) -> MosaicConfig:
   """The call's tiles (heuristic by head dim)."""
   del options  # It takes none yet.
   itemsize = 2  # bfloat16 and float16.
-  return MosaicConfig(block_sizes=default_block_sizes(spec.head_dim,
-                                                      itemsize))
+  return MosaicConfig(
+      block_sizes=default_block_sizes(spec.head_dim, itemsize),
+      backward_block_sizes=default_backward_block_sizes(spec.head_dim,
+                                                        itemsize))
+
+
+def _lengths(spec: CallSpec, operands: Operands):
+  """(q_lengths, kv_lengths) for the kernels: None without lengths (the
+  kernels then use the static array lengths)."""
+  if not spec.mask.has_lengths:
+    return None, None
+  return operands.lengths()
 
 
 def forward(spec: CallSpec, config: MosaicConfig, operands: Operands):
   """(out, lse2): the warp-specialized forward kernel."""
-  q_lengths = kv_lengths = None
-  if spec.mask.has_lengths:
-    q_lengths, kv_lengths = operands.lengths()
   return forward_kernels.forward_call(
-      operands.query, operands.key, operands.value, q_lengths, kv_lengths,
-      operands.sinks, spec=spec, block_sizes=config.block_sizes)
+      operands.query, operands.key, operands.value,
+      *_lengths(spec, operands), operands.sinks, spec=spec,
+      block_sizes=config.block_sizes)
+
+
+def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,
+             lse2, dout, dlse=None) -> Operands:
+  """Cotangents of q, k, v (and sinks) from the dQ and dK/dV kernels.
+
+  `dlse`: the natural lse's cotangent, [B, N, T] (zero on rows without
+  keys), or None.
+  """
+  # delta = rowsum(dO * O) in float32: one fused XLA reduction.
+  delta = jnp.swapaxes(jnp.sum(
+      dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2)
+  if dlse is not None:
+    # d lse / d s_c = p_c: the lse's cotangent shifts delta (see the Triton
+    # backend).
+    delta = delta - dlse
+  dq, dk, dv = backward_kernels.backward_call(
+      operands.query, operands.key, operands.value, out, dout, lse2, delta,
+      *_lengths(spec, operands), spec=spec,
+      block_sizes=config.backward_block_sizes)
+  dsinks = None
+  if operands.sinks is not None:
+    dsinks = modifiers.sinks_gradient(operands.sinks, lse2, delta)
+  return Operands(query=dq, key=dk, value=dv, sinks=dsinks)
 
 
 BACKEND = registry.Backend(
@@ -55,5 +92,5 @@ BACKEND = registry.Backend(
     option_names=frozenset(),
     configure=configure,
     forward=forward,
-    backward=None,
+    backward=backward,
 )

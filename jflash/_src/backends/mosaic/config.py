@@ -138,6 +138,8 @@ class MosaicConfig:
 
   Attributes:
     block_sizes: the forward kernel's tiles.
+    backward_block_sizes: the backward kernels' tiles.
   """
 
   block_sizes: MosaicBlockSizes
+  backward_block_sizes: MosaicBackwardBlockSizes

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -48,6 +47,7 @@ import jax.numpy as jnp
 
 from jflash._src import masks
 from jflash._src import numerics
+from jflash._src import sharding
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.spec import CallSpec
 from jflash._src.spec import MaskSpec
@@ -344,9 +344,9 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None, *,
   lse_seq = num_tiles * COMPUTE_WARPGROUPS * block_q
   out, lse2 = plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct(query.shape, dtype),
-                jax.ShapeDtypeStruct((batch, num_heads, lse_seq),
-                                     jnp.float32)),
+      out_type=(sharding.output_struct(query.shape, dtype, query, key),
+                sharding.output_struct((batch, num_heads, lse_seq),
+                                       jnp.float32, query, key)),
       grid=(num_tiles, num_heads, batch),
       grid_names=("q_tiles", "heads", "batch"),
       num_threads=COMPUTE_WARPGROUPS + 1,

@@ -1,0 +1,556 @@
+"""Backward kernels on Mosaic GPU (Hopper, sm90): warp-specialized dQ and dK/dV.
+
+FlashAttention-2's backward (recompute p from q, k and the forward's base-2
+lse), split in two kernels as the Triton backend's, with the forward's
+warpgroup structure (forward.py): two compute warpgroups and one producer
+warpgroup that streams tiles with TMA into a ring of `num_stages` shared-
+memory slots; a slot is refilled once every compute warpgroup has arrived
+on its "consumed" barrier.
+
+- dQ kernel: grid (query tiles, heads, batch). The producer loads the
+  block's Q, dO, lse and delta once, then streams K and V tiles (the union
+  of the key tiles its rows visit, `masks.key_blocks`). Per key tile a
+  compute warpgroup computes S = Q K^T and dP = dO V^T (wgmma, both operands
+  in shared memory), p = 2^(s2 - lse2), dS = p (dP - delta) in registers,
+  and dQ += dS K (dS from registers).
+- dK/dV kernel: grid (key tiles, kv heads, batch). The producer loads the
+  block's K and V once, then streams Q, dO, lse and delta tiles: for every
+  query head of the kv head's GQA group, the query tiles the keys are
+  visible to (`masks.query_blocks`). A compute warpgroup computes
+  S^T = K Q^T and dP^T = V dO^T, so that p^T and dS^T come out in
+  registers as the left operands of dV += p^T dO and dK += dS^T Q. The GQA
+  group is summed in the fp32 accumulators: each dK/dV element is written
+  once, no atomics, deterministic.
+
+Warpgroup roles (`config.backward_warpgroup_split`): with head dim <= 128
+the two compute warpgroups own one row tile each (2 * block rows per
+block); with head dim 256 the accumulators ([64, 256] fp32, twice in dK/dV)
+do not fit one warpgroup's registers, so both warpgroups work on the same
+row tile, both compute its S and dP, and each accumulates half of the
+head-dim columns.
+
+Masks come from `masks.py` as in the forward: tiles no row/column of the
+block sees are never loaded; a compute warpgroup steps over the tiles of
+the block's union outside its own range without computing (still waiting
+and arriving on their barriers, so every barrier's phases stay in step);
+the element-wise predicate is applied on the tiles the mask cuts only.
+Rows past q_len get lse = +inf (whatever was read: past T a 1-D TMA load
+of lse/delta may read the next head's values, see forward.py), so p = 0
+and dS = 0 for them. Sequences are padded to multiples of SEQ_ALIGN for
+TMA (the padding is past q_len / kv_len, hence masked).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from jflash._src import masks
+from jflash._src import numerics
+from jflash._src import sharding
+from jflash._src.backends.mosaic.config import BWD_COMPUTE_WARPGROUPS
+from jflash._src.backends.mosaic.config import MosaicBackwardBlockSizes
+from jflash._src.backends.mosaic.config import backward_warpgroup_split
+from jflash._src.backends.mosaic.forward import COMPUTE_REGISTERS
+from jflash._src.backends.mosaic.forward import PRODUCER_REGISTERS
+from jflash._src.backends.mosaic.forward import SEQ_ALIGN
+from jflash._src.backends.mosaic.forward import _as_int32
+from jflash._src.backends.mosaic.forward import _runs_within
+from jflash._src.backends.mosaic.forward import pad_rows
+from jflash._src.backends.mosaic.forward import smem_transforms
+from jflash._src.spec import CallSpec
+from jflash._src.spec import MaskSpec
+
+COMPUTE_WARPGROUPS = BWD_COMPUTE_WARPGROUPS
+PRODUCER = COMPUTE_WARPGROUPS
+
+
+def _columns(ref, chunk: int, width: int, chunks: int):
+  """The head-dim columns [chunk * width, (chunk + 1) * width) of a
+  [rows, head_dim] ref (the whole ref with a single chunk)."""
+  if chunks == 1:
+    return ref
+  return ref.at[:, pl.ds(chunk * width, width)]
+
+
+def _rows_scratch(tiles, dtype, rows: int, head_dim: int, row_groups: int,
+                  chunks: int):
+  """Shared memory of a block's two [rows, head_dim] tiles per row group (Q
+  and dO, or K and V). With several column chunks (then one row group), a
+  union with the staging of the outputs: two [chunks, rows, width] tiles,
+  contiguous per chunk as a TMA store needs (a column slice of a tiled
+  [rows, head_dim] tile is not)."""
+  pair = (tiles(row_groups, rows), tiles(row_groups, rows))
+  if chunks == 1:
+    return pair
+  assert row_groups == 1, (row_groups, chunks)
+  width = head_dim // chunks
+  stage = plgpu.SMEM((chunks, rows, width), dtype,
+                     transforms=smem_transforms(dtype))
+  return plgpu.RefUnion(pair, (stage, stage))
+
+
+def _unpack_rows(rows_smem, chunks: int):
+  """(the pair of row tiles, the output staging or None): see
+  `_rows_scratch`."""
+  if chunks == 1:
+    return rows_smem, None
+  pair, stage = rows_smem
+  return pair, stage
+
+
+def _lengths(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, batch, q_seq,
+             kv_seq):
+  if mask.has_lengths:
+    return q_lengths_ref[batch], kv_lengths_ref[batch]
+  return q_seq, kv_seq
+
+
+def _score_gradient(probs, capped, dprobs, delta_bcast):
+  """dL/d(scale * q.k) / scale: p (dP - delta), times tanh' with a cap."""
+  ds = probs * (dprobs - delta_bcast)
+  if capped is not None:
+    ds = ds * (1.0 - capped * capped)
+  return ds
+
+
+def _for_each_compute_warpgroup(wg, chunks: int, consumer):
+  """Runs consumer(row_group, chunk) on the compute warpgroups: the row
+  group is traced, the column chunk static (it slices shared memory)."""
+  if chunks == 1:
+    pl.when(wg < COMPUTE_WARPGROUPS)(
+        functools.partial(consumer, wg, 0))
+    return
+  for chunk in range(chunks):
+    pl.when(jnp.logical_and(wg < COMPUTE_WARPGROUPS,
+                            lax.rem(wg, chunks) == chunk))(
+        functools.partial(consumer, lax.div(wg, chunks), chunk))
+
+
+def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+              q_lengths_ref, kv_lengths_ref, dq_ref, scratch, *,
+              mask: MaskSpec, scale: float, soft_cap: float | None,
+              block_q: int, block_kv: int, stages: int, row_groups: int,
+              chunks: int, group: int, q_seq: int, kv_seq: int):
+  (rows_smem, lse_smem, delta_smem, k_smem, v_smem), barriers = scratch
+  (q_smem, do_smem), stage = _unpack_rows(rows_smem, chunks)
+  q_ready, do_ready, k_ready, v_ready, consumed, done = barriers
+  head_dim = q_ref.shape[3]
+  width = head_dim // chunks
+  dtype = q_ref.dtype
+  block_rows = row_groups * block_q
+
+  batch = lax.axis_index("batch")
+  head = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  tile = lax.axis_index("q_tiles")
+  if mask.is_causal:
+    # Longest tiles first (they visit the most key tiles).
+    tile = (pl.cdiv(q_seq, block_rows) - 1) - tile
+  block_start = tile * block_rows
+
+  q_len, kv_len = _lengths(mask, q_lengths_ref, kv_lengths_ref, batch, q_seq,
+                           kv_seq)
+  offset = masks.causal_offset(mask, q_len, kv_len)
+  union = masks.key_blocks(mask, block_start, block_rows, block_kv, q_len,
+                           kv_len, offset).runs()
+  steps_lo = _as_int32(union[0][0])
+  steps_hi = jnp.maximum(_as_int32(union[-1][1]), steps_lo)
+
+  def slot_of(step):
+    return lax.rem(step - steps_lo, stages)
+
+  def consumer(row_group, chunk: int):
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    q_start = block_start + row_group * block_q
+    q_tile, do_tile = q_smem.at[row_group], do_smem.at[row_group]
+    plgpu.barrier_wait(q_ready.at[row_group])
+    plgpu.barrier_wait(do_ready.at[row_group])
+
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    tile_shape = (block_q, block_kv)
+    row_ids = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0,
+                                               layout=row_layout)
+    lse = plgpu.load(lse_smem.at[row_group], layout=row_layout)
+    # Rows past q_len (whatever TMA read there): p = 0.
+    lse = jnp.where(row_ids < q_len, lse, jnp.inf)
+    delta = plgpu.load(delta_smem.at[row_group], layout=row_layout)
+    rows = q_start + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0,
+                                            layout=wgmma_layout)
+    columns = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
+                                     layout=wgmma_layout)
+
+    def step(kv_step, dq, *, kind: str):
+      slot = slot_of(kv_step)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+      if kind == "skip":
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dq
+
+      def scores(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+        plgpu.wgmma(dp_ref, do_tile, v_smem.at[slot].T)
+        return s_ref[...], dp_ref[...]
+
+      s, dp = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32),
+                            plgpu.ACC(tile_shape, jnp.float32))
+      logits, capped = numerics.logits_base2(s, scale=scale,
+                                             soft_cap=soft_cap)
+      probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [0]))
+      if kind == "masked":
+        seen = masks.visible(mask, rows, columns + kv_step * block_kv,
+                             kv_len, offset)
+        probs = jnp.where(seen, probs, 0.0)
+      ds = _score_gradient(probs, capped, dp,
+                           lax.broadcast_in_dim(delta, tile_shape, [0]))
+      ds = ds.astype(dtype)
+
+      def accumulate(acc_ref):
+        plgpu.wgmma(acc_ref, ds,
+                    _columns(k_smem.at[slot], chunk, width, chunks))
+
+      dq = pl.run_state(accumulate)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(consumed.at[slot])
+      return dq
+
+    dq = plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32),
+                           wgmma_layout)
+    own = masks.key_blocks(mask, q_start, block_q, block_kv, q_len, kv_len,
+                           offset).runs()
+    for lo, hi, kind in _runs_within(own, steps_lo, steps_hi):
+      dq = lax.fori_loop(lo, hi, functools.partial(step, kind=kind), dq)
+
+    if chunks > 1:
+      # The other chunk's warpgroup may still read Q and dO, which `stage`
+      # aliases: wait for it.
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+      out_tile = stage[0].at[chunk]
+    else:
+      out_tile = q_tile
+    out_tile[...] = (dq * scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+        out_tile, dq_ref.at[batch, pl.ds(q_start, block_q), head,
+                            pl.ds(chunk * width, width)])
+    plgpu.wait_smem_to_gmem(0)
+
+  _for_each_compute_warpgroup(wg, chunks, consumer)
+
+  @pl.when(wg == PRODUCER)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    kv_head = lax.div(head, jnp.int32(group))
+    for row_group in range(row_groups):
+      q_start = block_start + row_group * block_q
+      rows = (batch, pl.ds(q_start, block_q), head)
+      stats = (batch, head, pl.ds(q_start, block_q))
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[row_group],
+                              q_ready.at[row_group])
+      plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[row_group],
+                              q_ready.at[row_group])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[row_group],
+                              do_ready.at[row_group])
+      plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[row_group],
+                              do_ready.at[row_group])
+
+    def load(step, slot):
+      rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot],
+                              k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot],
+                              v_ready.at[slot])
+
+    for i in range(stages):
+      pl.when(steps_lo + i < steps_hi)(
+          functools.partial(load, steps_lo + i, i))
+
+    @pl.loop(steps_lo + stages, steps_hi)
+    def _refill(step):
+      slot = slot_of(step)
+      plgpu.barrier_wait(consumed.at[slot])
+      load(step, slot)
+
+
+def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               q_lengths_ref, kv_lengths_ref, dk_ref, dv_ref, scratch, *,
+               mask: MaskSpec, scale: float, soft_cap: float | None,
+               block_q: int, block_kv: int, stages: int, row_groups: int,
+               chunks: int, group: int, q_seq: int, kv_seq: int):
+  (rows_smem, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
+  (k_smem, v_smem), stage = _unpack_rows(rows_smem, chunks)
+  kv_ready, q_ready, do_ready, consumed, done = barriers
+  head_dim = q_ref.shape[3]
+  width = head_dim // chunks
+  dtype = q_ref.dtype
+  block_rows = row_groups * block_kv
+
+  batch = lax.axis_index("batch")
+  kv_head = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  # Causal: the first key tiles see the most query tiles, and come first.
+  block_start = lax.axis_index("kv_tiles") * block_rows
+
+  q_len, kv_len = _lengths(mask, q_lengths_ref, kv_lengths_ref, batch, q_seq,
+                           kv_seq)
+  offset = masks.causal_offset(mask, q_len, kv_len)
+  union = masks.query_blocks(mask, block_start, block_rows, block_q, q_len,
+                             kv_len, offset).runs()
+  tiles_lo = _as_int32(union[0][0])
+  tiles_hi = jnp.maximum(_as_int32(union[-1][1]), tiles_lo)
+  # Steps: (head of the group, query tile in [tiles_lo, tiles_hi)).
+  tiles_per_head = tiles_hi - tiles_lo
+  num_steps = tiles_per_head * group
+
+  def consumer(row_group, chunk: int):
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    k_start = block_start + row_group * block_kv
+    k_tile, v_tile = k_smem.at[row_group], v_smem.at[row_group]
+    plgpu.barrier_wait(kv_ready.at[row_group])
+
+    wgmma_layout = plgpu.Layout.WGMMA
+    column_layout = plgpu.Layout.WGMMA.reduce(0)
+    # Transposed tiles: rows are keys, columns queries.
+    tile_shape = (block_kv, block_q)
+    key_ids = k_start + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0,
+                                               layout=wgmma_layout)
+    query_offsets = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
+                                           layout=wgmma_layout)
+    query_vector = plgpu.broadcasted_iota(jnp.int32, (block_q,), 0,
+                                          layout=column_layout)
+
+    def step(q_tile_index, carry, *, head_step, kind: str):
+      dk, dv = carry
+      slot = lax.rem(head_step * tiles_per_head + (q_tile_index - tiles_lo),
+                     stages)
+      plgpu.barrier_wait(q_ready.at[slot])
+      if kind == "skip":
+        plgpu.barrier_wait(do_ready.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+        return carry
+      q_start = q_tile_index * block_q
+      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+
+      def scores(acc_ref):
+        plgpu.wgmma(acc_ref, k_tile, q_tile.T)
+        return acc_ref[...]
+
+      s_t = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
+      lse = plgpu.load(lse_smem.at[slot], layout=column_layout)
+      # Rows past q_len (whatever TMA read there): p = 0.
+      lse = jnp.where(q_start + query_vector < q_len, lse, jnp.inf)
+      logits, capped = numerics.logits_base2(s_t, scale=scale,
+                                             soft_cap=soft_cap)
+      probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [1]))
+      if kind == "masked":
+        seen = masks.visible(mask, query_offsets + q_start, key_ids, kv_len,
+                             offset)
+        probs = jnp.where(seen, probs, 0.0)
+
+      plgpu.barrier_wait(do_ready.at[slot])
+
+      def values(refs):
+        dv_ref, dp_ref = refs
+        plgpu.wgmma(dv_ref, probs.astype(dtype),
+                    _columns(do_tile, chunk, width, chunks))
+        plgpu.wgmma(dp_ref, v_tile, do_tile.T)
+
+      zeros = plgpu.layout_cast(jnp.zeros(tile_shape, jnp.float32),
+                                wgmma_layout)
+      dv, dp_t = pl.run_state(values)((plgpu.ACC.init(dv),
+                                       plgpu.ACC.init(zeros)))
+      delta = plgpu.load(delta_smem.at[slot], layout=column_layout)
+      ds_t = _score_gradient(probs, capped, dp_t,
+                             lax.broadcast_in_dim(delta, tile_shape, [1]))
+
+      def keys(acc_ref):
+        plgpu.wgmma(acc_ref, ds_t.astype(dtype),
+                    _columns(q_tile, chunk, width, chunks))
+
+      dk = pl.run_state(keys)(plgpu.ACC.init(dk))
+      plgpu.barrier_arrive(consumed.at[slot])
+      return dk, dv
+
+    own = masks.query_blocks(mask, k_start, block_kv, block_q, q_len, kv_len,
+                             offset).runs()
+    own = _runs_within(own, tiles_lo, tiles_hi)
+
+    def head_loop(head_step, carry):
+      for lo, hi, kind in own:
+        carry = lax.fori_loop(
+            lo, hi, functools.partial(step, head_step=head_step, kind=kind),
+            carry)
+      return carry
+
+    zeros = plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32),
+                              wgmma_layout)
+    if group == 1:
+      dk, dv = head_loop(jnp.int32(0), (zeros, zeros))
+    else:
+      dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
+
+    if chunks > 1:
+      # The other chunk's warpgroup may still read K and V, which `stage`
+      # aliases: wait for it.
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+      dk_tile, dv_tile = stage[0].at[chunk], stage[1].at[chunk]
+    else:
+      dk_tile, dv_tile = k_tile, v_tile
+    rows = (batch, pl.ds(k_start, block_kv), kv_head,
+            pl.ds(chunk * width, width))
+    dk_tile[...] = (dk * scale).astype(dtype)
+    dv_tile[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dk_tile, dk_ref.at[rows])
+    plgpu.copy_smem_to_gmem(dv_tile, dv_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  _for_each_compute_warpgroup(wg, chunks, consumer)
+
+  @pl.when(wg == PRODUCER)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    for row_group in range(row_groups):
+      rows = (batch, pl.ds(block_start + row_group * block_kv, block_kv),
+              kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[row_group],
+                              kv_ready.at[row_group])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[row_group],
+                              kv_ready.at[row_group])
+
+    def load(step, slot):
+      per_head = jnp.maximum(tiles_per_head, 1)
+      head = kv_head * group + lax.div(step, per_head)
+      q_start = (tiles_lo + lax.rem(step, per_head)) * block_q
+      rows = (batch, pl.ds(q_start, block_q), head)
+      stats = (batch, head, pl.ds(q_start, block_q))
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot],
+                              q_ready.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot],
+                              q_ready.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot],
+                              do_ready.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot],
+                              do_ready.at[slot])
+
+    for i in range(stages):
+      pl.when(i < num_steps)(functools.partial(load, jnp.int32(i), i))
+
+    @pl.loop(jnp.int32(stages), num_steps)
+    def _refill(step):
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(consumed.at[slot])
+      load(step, slot)
+
+
+def _launch(kernel, scratch, *, out_type, grid, grid_names, args):
+  def body(*refs):
+    pl.run_scoped(lambda *scoped: kernel(*refs, scoped), *scratch,
+                  collective_axes="wg")
+
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=COMPUTE_WARPGROUPS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(*args)
+
+
+def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
+                  kv_lengths, *, spec: CallSpec,
+                  block_sizes: MosaicBackwardBlockSizes):
+  """Launches the dQ and dK/dV kernels.
+
+  Args:
+    query: [B, T, N, H], H in {64, 128, 256}.
+    key, value: [B, S, K, H].
+    out: the forward's output (unused: delta already holds rowsum(dO * O)).
+    dout: the output cotangent, like query.
+    lse2: the forward's base-2 lse, float32 [B, N, T] (+inf: no key).
+    delta: rowsum(dO * O) (less an lse cotangent), float32 [B, N, T].
+    q_lengths, kv_lengths: int32 [B], or None without lengths.
+    spec: the call.
+    block_sizes: the tiles.
+
+  Returns:
+    (dq [B, T, N, H], dk [B, S, K, H], dv [B, S, K, H]) in query.dtype.
+  """
+  del out
+  batch, q_seq, num_heads, head_dim = query.shape
+  kv_seq, num_kv_heads = key.shape[1], key.shape[2]
+  dtype = query.dtype
+  group = num_heads // num_kv_heads
+  stages = block_sizes.num_stages
+  row_groups, chunks = backward_warpgroup_split(head_dim)
+  if q_lengths is None:
+    q_lengths = kv_lengths = jnp.zeros((batch,), jnp.int32)  # Unread.
+  # TMA needs rows in multiples of SEQ_ALIGN: pad (padded rows and keys are
+  # past q_seq / kv_seq, hence masked) and slice the gradients back.
+  query, dout = pad_rows(query, SEQ_ALIGN), pad_rows(dout, SEQ_ALIGN)
+  key, value = pad_rows(key, SEQ_ALIGN), pad_rows(value, SEQ_ALIGN)
+  stats_pad = [(0, 0), (0, 0), (0, query.shape[1] - q_seq)]
+  lse2 = jnp.pad(lse2.astype(jnp.float32), stats_pad,
+                 constant_values=jnp.inf)
+  delta = jnp.pad(delta.astype(jnp.float32), stats_pad)
+  transforms = smem_transforms(dtype)
+  tiles = lambda n, rows: plgpu.SMEM((n, rows, head_dim), dtype,
+                                     transforms=transforms)
+  stats = lambda n, rows: plgpu.SMEM((n, rows), jnp.float32)
+  common = dict(mask=spec.mask, scale=spec.scale,
+                soft_cap=spec.logits_soft_cap, stages=stages,
+                row_groups=row_groups, chunks=chunks, group=group,
+                q_seq=q_seq, kv_seq=kv_seq)
+  args = (query, key, value, dout, lse2, delta, q_lengths, kv_lengths)
+
+  block_q, block_kv = block_sizes.block_q_dq, block_sizes.block_kv_dq
+  dq_scratch = (
+      (_rows_scratch(tiles, dtype, block_q, head_dim, row_groups, chunks),
+       stats(row_groups, block_q), stats(row_groups, block_q),
+       tiles(stages, block_kv), tiles(stages, block_kv)),
+      (plgpu.Barrier(num_arrivals=2, num_barriers=row_groups),  # Q, lse.
+       plgpu.Barrier(num_arrivals=2, num_barriers=row_groups),  # dO, delta.
+       plgpu.Barrier(num_barriers=stages),  # K.
+       plgpu.Barrier(num_barriers=stages),  # V.
+       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
+       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)),  # Done.
+  )
+  dq = _launch(
+      functools.partial(dq_kernel, block_q=block_q, block_kv=block_kv,
+                        **common),
+      dq_scratch,
+      out_type=sharding.output_struct(query.shape, dtype, *args),
+      grid=(pl.cdiv(q_seq, row_groups * block_q), num_heads, batch),
+      grid_names=("q_tiles", "heads", "batch"),
+      args=args)
+
+  block_q, block_kv = block_sizes.block_q_dkv, block_sizes.block_kv_dkv
+  dkv_scratch = (
+      (_rows_scratch(tiles, dtype, block_kv, head_dim, row_groups, chunks),
+       tiles(stages, block_q), tiles(stages, block_q),
+       stats(stages, block_q), stats(stages, block_q)),
+      (plgpu.Barrier(num_arrivals=2, num_barriers=row_groups),  # K, V.
+       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # Q, lse.
+       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # dO, delta.
+       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
+       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)),  # Done.
+  )
+  kv_struct = sharding.output_struct(key.shape, dtype, *args)
+  dk, dv = _launch(
+      functools.partial(dkv_kernel, block_q=block_q, block_kv=block_kv,
+                        **common),
+      dkv_scratch,
+      out_type=(kv_struct, kv_struct),
+      grid=(pl.cdiv(kv_seq, row_groups * block_kv), num_kv_heads, batch),
+      grid_names=("kv_tiles", "heads", "batch"),
+      args=args)
+  return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]
