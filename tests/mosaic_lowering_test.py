@@ -49,8 +49,8 @@ def _lower(pass_fn, *args):
 class MosaicLoweringTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*[(c[0], *c) for c in CASES])
-  def test_forward_lowers_for_cuda(self, name, shape, dtype, mask_options,
-                                   soft_cap):
+  def test_both_passes_lower_for_cuda(self, name, shape, dtype,
+                                      mask_options, soft_cap):
     batch, q_len, kv_len, heads, kv_heads, head_dim = shape
     spec = CallSpec(batch=batch, q_len=q_len, kv_len=kv_len,
                     num_heads=heads, num_kv_heads=kv_heads,
@@ -81,6 +81,23 @@ class MosaicLoweringTest(parameterized.TestCase):
     self.assertEqual((out.shape, out.dtype), (q.shape, jnp.dtype(dtype)))
     self.assertEqual((lse2.shape, lse2.dtype),
                      ((batch, heads, q_len), jnp.float32))
+
+    def backward(q, k, v, q_lengths, kv_lengths, sinks, out, lse2, dout,
+                 dlse):
+      operands = Operands(query=q, key=k, value=v,
+                          sinks=sinks if name == "sinks" else None)
+      if spec.mask.has_lengths:
+        operands = operands.replace(q_lengths=q_lengths,
+                                    kv_lengths=kv_lengths)
+      return mosaic_backend.backward(spec, config, operands, out, lse2,
+                                     dout, dlse)
+
+    grads = jax.eval_shape(backward, *args, out, lse2, out, lse2)
+    self.assertIn("mosaic_gpu", _lower(backward, *args, out, lse2, out,
+                                       lse2))
+    self.assertEqual((grads.query.shape, grads.key.shape,
+                      grads.value.shape), (q.shape, kv.shape, kv.shape))
+    self.assertEqual(grads.sinks is not None, name == "sinks")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import numpy as np
 import jflash
 from tests import test_base
 from tests import test_util
+from tests import tolerances
 
 
 def _sink_attention(q, k, v, sinks, *, is_causal=False, q_lens=None,
@@ -102,7 +103,9 @@ class SinksTest(test_base.BackendTestCase):
     with jax.default_matmul_precision("highest"):
       expected = jax.jit(results, static_argnums=0)(xla, q, k, v, sinks)
     chex.assert_tree_all_finite(ours[2:])
-    chex.assert_trees_all_close(ours, expected, rtol=2e-5, atol=2e-5)
+    tolerance = tolerances.direct(q.dtype)
+    chex.assert_trees_all_close(ours, expected, rtol=tolerance,
+                                atol=tolerance)
     lse = np.asarray(ours[1])
     # Batch 0 sees no key: lse is the sink. Batch 1, bottom-right with
     # 24 keys for 33 rows: rows 0-8 see no key; rows past 33 are empty.
@@ -112,12 +115,14 @@ class SinksTest(test_base.BackendTestCase):
                                rtol=1e-6)
     np.testing.assert_array_equal(lse[1, 33:], -np.inf)
     # Rows 9-32 of batch 1: logsumexp of the visible logits and the sink.
-    logits = np.einsum("tnd,snd->tns", q[1], k[1]) / np.sqrt(q.shape[-1])
+    logits = np.einsum("tnd,snd->tns", np.asarray(q[1], np.float32),
+                       np.asarray(k[1], np.float32)) / np.sqrt(q.shape[-1])
     for t in (9, 20, 32):
       row = np.concatenate([logits[t, :, :t - 8], np.asarray(sinks)[:, None]],
                            axis=-1)
       np.testing.assert_allclose(lse[1, t], jax.nn.logsumexp(row, -1),
-                                 rtol=1e-5)
+                                 rtol=tolerances.direct(q.dtype,
+                                                        float32=1e-5))
 
   def test_minus_infinity_sink_is_no_sink(self):
     q, k, v, dout = test_util.random_inputs(84, q_len=40, kv_len=40)
@@ -154,7 +159,9 @@ class SinksTest(test_base.BackendTestCase):
       # HIGHEST: on a GPU the XLA path's float32 matmuls default to TF32.
       with jax.default_matmul_precision("highest"):
         expected = xla(sinks[i])
-      chex.assert_trees_all_close(mapped[i], expected, rtol=2e-6, atol=2e-6)
+      tolerance = tolerances.direct(q.dtype, float32=2e-6)
+      chex.assert_trees_all_close(mapped[i], expected, rtol=tolerance,
+                                  atol=tolerance)
 
   @parameterized.named_parameters(
       ("shape", jnp.zeros((3,)), "sinks must have shape \\(num_heads,\\)"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from unittest import mock
 
 from absl.testing import parameterized
 
@@ -32,10 +33,17 @@ class Target:
     implementation: the registry name.
     options: backend keyword arguments of flash_attention for the tests
       (interpret mode, small tiles).
+    input_dtype: for a backend without float32 kernels, the dtype that
+      replaces the default float32 of the tests' random inputs (the
+      tolerance tables follow the inputs' dtype), so their cases run on it.
+    head_dims: for a backend of a few exact head dims, the ones it takes:
+      the tests' random inputs get the smallest one >= theirs.
   """
 
   implementation: str
   options: tuple[tuple[str, Any], ...] = ()
+  input_dtype: str | None = None
+  head_dims: tuple[int, ...] | None = None
 
 
 # Small tiles for the kernels, so short test sequences cross several tiles
@@ -49,13 +57,34 @@ TARGETS = (
 # GPU other than Hopper each test skips with the registry's reason), and on
 # CPU tests/mosaic_lowering_test.py lowers them for CUDA.
 if test_util.ON_GPU:
-  TARGETS += (Target("mosaic"),)
+  TARGETS += (Target("mosaic", input_dtype="bfloat16",
+                     head_dims=(64, 128, 256)),)
 
 
 class BackendTestCase(parameterized.TestCase):
   """Base of the per-backend test classes (see `for_each_backend`)."""
 
   TARGET: Target | None = None
+
+  def setUp(self):
+    super().setUp()
+    target = self.TARGET
+    if target is not None and (target.input_dtype or target.head_dims):
+      original = test_util.random_inputs
+
+      def adapted(seed, *, head_dim=32, dtype=None, **kwargs):
+        # Only the default dtype is replaced: a test that asks for float32
+        # by name skips on the target, with the registry's reason.
+        if dtype is None:
+          dtype = target.input_dtype or "float32"
+        if target.head_dims:
+          head_dim = min((d for d in target.head_dims if d >= head_dim),
+                         default=head_dim)
+        return original(seed, head_dim=head_dim, dtype=dtype, **kwargs)
+
+      patcher = mock.patch.object(test_util, "random_inputs", adapted)
+      patcher.start()
+      self.addCleanup(patcher.stop)
 
   @property
   def implementation(self) -> str:

@@ -18,3 +18,22 @@ FLOOR = {
     "bfloat16": 4e-3,
     "float16": 5e-4,
 }
+
+# Two computations of the same function in the inputs' dtype that the table
+# above cannot judge (no jax.nn run in the input dtype to scale by): e.g. a
+# backend against jflash's XLA path, or a composition of calls (merged key
+# shards) against one call. Both round their outputs to the input dtype, so
+# they may differ by a few of its ulps (bf16: 2^-8 relative per rounding).
+DIRECT = {
+    "float32": 2e-5,
+    "bfloat16": 2e-2,
+    "float16": 2e-3,
+}
+
+
+def direct(dtype, float32: float = DIRECT["float32"]) -> float:
+  """rtol = atol for comparing two results of inputs of `dtype`; a test
+  that holds float32 inputs to a tighter bound passes it as `float32`."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  name = np.dtype(dtype).name
+  return float32 if name == "float32" else DIRECT[name]

@@ -54,12 +54,14 @@ class WindowTest(test_base.BackendTestCase):
 
   def test_far_tiles_are_not_visited(self):
     # The same result whatever lies outside the band: poison keys and
-    # values far from every row's window with NaN.
+    # values far from every row's window with NaN. Rows 0-31 see keys up to
+    # 40; the poison starts at 256, past the key tiles of a query tile of
+    # up to 128 rows (the Mosaic forward's) with key tiles of up to 128.
     self.require_kernels("tile skipping; the XLA path reads every element "
                          "by design")
-    q, k, v, _ = test_util.random_inputs(73, batch=1, q_len=32, kv_len=128)
-    poisoned_k = k.at[:, 64:].set(jnp.nan)
-    poisoned_v = v.at[:, 64:].set(jnp.nan)
+    q, k, v, _ = test_util.random_inputs(73, batch=1, q_len=32, kv_len=384)
+    poisoned_k = k.at[:, 256:].set(jnp.nan)
+    poisoned_v = v.at[:, 256:].set(jnp.nan)
     flash = self.flash(local_window_size=(8, 8))
     np.testing.assert_array_equal(flash(q, poisoned_k, poisoned_v),
                                   flash(q, k, v))
