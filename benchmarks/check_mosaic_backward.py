@@ -1,6 +1,7 @@
 """GPU check of the Mosaic GPU backward kernels against float32 references.
 
-Run on an H100/H200: PYTHONPATH=. python3 benchmarks/check_mosaic_backward.py [filter]
+Run on an H100/H200:
+  PYTHONPATH=. python3 benchmarks/check_mosaic_backward.py [filter]
 For each case: lse2/out from the Mosaic forward, delta = rowsum(dO * O),
 (dq, dk, dv) from backward.backward_call, compared with jax.vjp of a float32
 reference (jax.nn.dot_product_attention where it applies, else a hand-built

@@ -9,7 +9,6 @@ cuDNN's forward measured in the same run, plus the compile time.
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp

@@ -52,14 +52,13 @@ import jax.numpy as jnp
 from jflash._src import masks
 from jflash._src import numerics
 from jflash._src import sharding
+from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import BWD_COMPUTE_WARPGROUPS
 from jflash._src.backends.mosaic.config import MosaicBackwardBlockSizes
 from jflash._src.backends.mosaic.config import backward_warpgroup_split
 from jflash._src.backends.mosaic.forward import COMPUTE_REGISTERS
 from jflash._src.backends.mosaic.forward import PRODUCER_REGISTERS
 from jflash._src.backends.mosaic.forward import SEQ_ALIGN
-from jflash._src.backends.mosaic.forward import _as_int32
-from jflash._src.backends.mosaic.forward import _runs_within
 from jflash._src.backends.mosaic.forward import pad_rows
 from jflash._src.backends.mosaic.forward import smem_transforms
 from jflash._src.spec import CallSpec
@@ -103,13 +102,6 @@ def _unpack_rows(rows_smem, chunks: int):
   return pair, stage
 
 
-def _lengths(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, batch, q_seq,
-             kv_seq):
-  if mask.has_lengths:
-    return q_lengths_ref[batch], kv_lengths_ref[batch]
-  return q_seq, kv_seq
-
-
 def _score_gradient(probs, capped, dprobs, delta_bcast):
   """dL/d(scale * q.k) / scale: p (dP - delta), times tanh' with a cap."""
   ds = probs * (dprobs - delta_bcast)
@@ -144,25 +136,14 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   dtype = q_ref.dtype
   block_rows = row_groups * block_q
 
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  tile = lax.axis_index("q_tiles")
-  if mask.is_causal:
-    # Longest tiles first (they visit the most key tiles).
-    tile = (pl.cdiv(q_seq, block_rows) - 1) - tile
-  block_start = tile * block_rows
+  block = pipeline.query_block(mask, q_lengths_ref, kv_lengths_ref,
+                               q_seq=q_seq, kv_seq=kv_seq,
+                               block_rows=block_rows, block_kv=block_kv)
+  (batch, head, block_start, q_len, kv_len, offset, steps_lo,
+   steps_hi) = block
 
-  q_len, kv_len = _lengths(mask, q_lengths_ref, kv_lengths_ref, batch, q_seq,
-                           kv_seq)
-  offset = masks.causal_offset(mask, q_len, kv_len)
-  union = masks.key_blocks(mask, block_start, block_rows, block_kv, q_len,
-                           kv_len, offset).runs()
-  steps_lo = _as_int32(union[0][0])
-  steps_hi = jnp.maximum(_as_int32(union[-1][1]), steps_lo)
-
-  def slot_of(step):
-    return lax.rem(step - steps_lo, stages)
+  slot_of = functools.partial(pipeline.slot_of, lo=steps_lo, stages=stages)
 
   def consumer(row_group, chunk: int):
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
@@ -223,7 +204,7 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                            wgmma_layout)
     own = masks.key_blocks(mask, q_start, block_q, block_kv, q_len, kv_len,
                            offset).runs()
-    for lo, hi, kind in _runs_within(own, steps_lo, steps_hi):
+    for lo, hi, kind in pipeline.consumer_runs(own, steps_lo, steps_hi):
       dq = lax.fori_loop(lo, hi, functools.partial(step, kind=kind), dq)
 
     if chunks > 1:
@@ -247,35 +228,16 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
+    load_rows = pipeline.query_loader(
+        q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem, do_smem,
+        delta_smem, q_ready, do_ready, batch=batch, block_q=block_q)
     for row_group in range(row_groups):
-      q_start = block_start + row_group * block_q
-      rows = (batch, pl.ds(q_start, block_q), head)
-      stats = (batch, head, pl.ds(q_start, block_q))
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[row_group],
-                              q_ready.at[row_group])
-      plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[row_group],
-                              q_ready.at[row_group])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[row_group],
-                              do_ready.at[row_group])
-      plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[row_group],
-                              do_ready.at[row_group])
+      load_rows(head, block_start + row_group * block_q, row_group)
 
-    def load(step, slot):
-      rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot],
-                              k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot],
-                              v_ready.at[slot])
-
-    for i in range(stages):
-      pl.when(steps_lo + i < steps_hi)(
-          functools.partial(load, steps_lo + i, i))
-
-    @pl.loop(steps_lo + stages, steps_hi)
-    def _refill(step):
-      slot = slot_of(step)
-      plgpu.barrier_wait(consumed.at[slot])
-      load(step, slot)
+    load = pipeline.key_value_loader(
+        k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, batch=batch,
+        kv_head=kv_head, block_kv=block_kv)
+    pipeline.produce(load, steps_lo, steps_hi, stages, (consumed,))
 
 
 def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -297,13 +259,13 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   # Causal: the first key tiles see the most query tiles, and come first.
   block_start = lax.axis_index("kv_tiles") * block_rows
 
-  q_len, kv_len = _lengths(mask, q_lengths_ref, kv_lengths_ref, batch, q_seq,
-                           kv_seq)
+  q_len, kv_len = pipeline.lengths(mask, q_lengths_ref, kv_lengths_ref,
+                                   batch, q_seq, kv_seq)
   offset = masks.causal_offset(mask, q_len, kv_len)
   union = masks.query_blocks(mask, block_start, block_rows, block_q, q_len,
                              kv_len, offset).runs()
-  tiles_lo = _as_int32(union[0][0])
-  tiles_hi = jnp.maximum(_as_int32(union[-1][1]), tiles_lo)
+  tiles_lo = pipeline.as_int32(union[0][0])
+  tiles_hi = jnp.maximum(pipeline.as_int32(union[-1][1]), tiles_lo)
   # Steps: (head of the group, query tile in [tiles_lo, tiles_hi)).
   tiles_per_head = tiles_hi - tiles_lo
   num_steps = tiles_per_head * group
@@ -379,7 +341,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 
     own = masks.query_blocks(mask, k_start, block_kv, block_q, q_len, kv_len,
                              offset).runs()
-    own = _runs_within(own, tiles_lo, tiles_hi)
+    own = pipeline.consumer_runs(own, tiles_lo, tiles_hi)
 
     def head_loop(head_step, carry):
       for lo, hi, kind in own:
@@ -425,29 +387,16 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[row_group],
                               kv_ready.at[row_group])
 
+    load_rows = pipeline.query_loader(
+        q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem, do_smem,
+        delta_smem, q_ready, do_ready, batch=batch, block_q=block_q)
+
     def load(step, slot):
       per_head = jnp.maximum(tiles_per_head, 1)
-      head = kv_head * group + lax.div(step, per_head)
-      q_start = (tiles_lo + lax.rem(step, per_head)) * block_q
-      rows = (batch, pl.ds(q_start, block_q), head)
-      stats = (batch, head, pl.ds(q_start, block_q))
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot],
-                              q_ready.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot],
-                              q_ready.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot],
-                              do_ready.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot],
-                              do_ready.at[slot])
+      load_rows(kv_head * group + lax.div(step, per_head),
+                (tiles_lo + lax.rem(step, per_head)) * block_q, slot)
 
-    for i in range(stages):
-      pl.when(i < num_steps)(functools.partial(load, jnp.int32(i), i))
-
-    @pl.loop(jnp.int32(stages), num_steps)
-    def _refill(step):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(consumed.at[slot])
-      load(step, slot)
+    pipeline.produce(load, jnp.int32(0), num_steps, stages, (consumed,))
 
 
 def _launch(kernel, scratch, *, out_type, grid, grid_names, args):

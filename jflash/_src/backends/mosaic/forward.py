@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jflash._src import masks
 from jflash._src import numerics
 from jflash._src import sharding
+from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.spec import CallSpec
 from jflash._src.spec import MaskSpec
@@ -72,22 +73,6 @@ def smem_transforms(dtype) -> tuple:
   return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(swizzle))
 
 
-def _as_int32(x):
-  return jnp.asarray(x, jnp.int32)
-
-
-def _runs_within(runs, lo, hi):
-  """A consumer's runs of tiles, clipped to the producer's [lo, hi), with
-  the tiles before and after them as runs to skip ("skip")."""
-  own_lo = jnp.minimum(jnp.maximum(_as_int32(runs[0][0]), lo), hi)
-  own_hi = jnp.minimum(jnp.maximum(_as_int32(runs[-1][1]), own_lo), hi)
-  clip = lambda x: jnp.minimum(jnp.maximum(_as_int32(x), own_lo), own_hi)
-  return ([(lo, own_lo, "skip")]
-          + [(clip(a), clip(b), "masked" if needs_mask else "full")
-             for a, b, needs_mask in runs]
-          + [(own_hi, hi, "skip")])
-
-
 def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
                    sinks_ref, out_ref, lse_ref, scratch, *, mask: MaskSpec,
                    scale: float, soft_cap: float | None,
@@ -102,28 +87,14 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
   dtype = q_ref.dtype
   block_rows = COMPUTE_WARPGROUPS * block_q
 
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  tile = lax.axis_index("q_tiles")
-  if mask.is_causal:
-    # Longest tiles first (they visit the most key tiles).
-    tile = (pl.cdiv(q_seq, block_rows) - 1) - tile
-  block_start = tile * block_rows
+  block = pipeline.query_block(mask, q_lengths_ref, kv_lengths_ref,
+                               q_seq=q_seq, kv_seq=kv_seq,
+                               block_rows=block_rows, block_kv=block_kv)
+  (batch, head, block_start, q_len, kv_len, offset, steps_lo,
+   steps_hi) = block
 
-  if mask.has_lengths:
-    q_len, kv_len = q_lengths_ref[batch], kv_lengths_ref[batch]
-  else:
-    q_len, kv_len = q_seq, kv_seq
-  offset = masks.causal_offset(mask, q_len, kv_len)
-  # The key tiles any row of the block visits: what the producer loads.
-  union = masks.key_blocks(mask, block_start, block_rows, block_kv, q_len,
-                           kv_len, offset).runs()
-  steps_lo = _as_int32(union[0][0])
-  steps_hi = jnp.maximum(_as_int32(union[-1][1]), steps_lo)
-
-  def slot_of(step):
-    return lax.rem(step - steps_lo, stages)
+  slot_of = functools.partial(pipeline.slot_of, lo=steps_lo, stages=stages)
 
   def take_turn():
     plgpu.barrier_arrive(schedule)
@@ -221,7 +192,7 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     # The second consumer starts one turn later: from then on the two
     # alternate between matrix products and softmax.
     pl.when(wg == 1)(take_turn)
-    for lo, hi, kind in _runs_within(own, steps_lo, steps_hi):
+    for lo, hi, kind in pipeline.consumer_runs(own, steps_lo, steps_hi):
       carry = lax.fori_loop(lo, hi, functools.partial(step, kind=kind),
                             carry)
     pl.when(wg == 0)(take_turn)
@@ -248,25 +219,11 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
   @pl.when(wg == PRODUCER)
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-    kv_head = lax.div(head, jnp.int32(group))
-
-    def load(step, slot):
-      rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot],
-                              k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot],
-                              v_ready.at[slot])
-
-    for i in range(stages):
-      pl.when(steps_lo + i < steps_hi)(
-          functools.partial(load, steps_lo + i, i))
-
-    @pl.loop(steps_lo + stages, steps_hi)
-    def _refill(step):
-      slot = slot_of(step)
-      plgpu.barrier_wait(k_consumed.at[slot])
-      plgpu.barrier_wait(v_consumed.at[slot])
-      load(step, slot)
+    load = pipeline.key_value_loader(
+        k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, batch=batch,
+        kv_head=lax.div(head, jnp.int32(group)), block_kv=block_kv)
+    pipeline.produce(load, steps_lo, steps_hi, stages,
+                     (k_consumed, v_consumed))
 
 
 def pad_rows(x, multiple: int):

@@ -1,0 +1,162 @@
+"""What the Mosaic kernels share: where a block is, and their rings.
+
+Every kernel streams tiles through a ring of `stages` slots: step `s` of
+the range [lo, hi) goes to slot (s - lo) % stages. The producer warpgroup
+fills the first `stages` slots at once, then refills a slot as soon as
+every compute warpgroup has released it (arrived on its "consumed"
+barrier). The consumers wait on the slot's "ready" barrier(s), which the
+TMA copies complete, and walk the same steps (`consumer_runs`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from jflash._src import masks
+from jflash._src.spec import MaskSpec
+
+
+def as_int32(x):
+  return jnp.asarray(x, jnp.int32)
+
+
+def consumer_runs(runs, lo, hi):
+  """A consumer's runs of tiles, clipped to the producer's [lo, hi), with
+  the tiles before and after them as runs to skip ("skip").
+
+  Args:
+    runs: the consumer's `masks` runs [(lo, hi, needs_mask)], adjacent.
+    lo, hi: the steps the producer streams (int32 scalars).
+
+  Returns:
+    [(lo, hi, kind)], kind "skip", "masked" or "full", covering [lo, hi).
+  """
+  own_lo = jnp.minimum(jnp.maximum(as_int32(runs[0][0]), lo), hi)
+  own_hi = jnp.minimum(jnp.maximum(as_int32(runs[-1][1]), own_lo), hi)
+  clip = lambda x: jnp.minimum(jnp.maximum(as_int32(x), own_lo), own_hi)
+  return ([(lo, own_lo, "skip")]
+          + [(clip(a), clip(b), "masked" if needs_mask else "full")
+             for a, b, needs_mask in runs]
+          + [(own_hi, hi, "skip")])
+
+
+def slot_of(step, lo, stages: int):
+  """The ring slot of step `step` of a range starting at `lo`."""
+  return lax.rem(step - lo, stages)
+
+
+def produce(load: Callable, lo, hi, stages: int, consumed: tuple):
+  """Streams steps [lo, hi): load(step, slot) issues the step's copies.
+
+  Args:
+    load: issues the TMA copies of one step into one slot.
+    lo, hi: the steps (traced int32 scalars).
+    stages: the ring's slots.
+    consumed: the "consumed" barrier arrays to wait on before refilling a
+      slot (one per separately released buffer, e.g. K's and V's).
+  """
+  for i in range(stages):
+    pl.when(lo + i < hi)(functools.partial(load, lo + i, i))
+
+  @pl.loop(lo + stages, hi)
+  def _refill(step):
+    slot = slot_of(step, lo, stages)
+    for barriers in consumed:
+      plgpu.barrier_wait(barriers.at[slot])
+    load(step, slot)
+
+
+def key_value_loader(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, *,
+                     batch, kv_head, block_kv: int) -> Callable:
+  """load(step, slot) of key/value tile `step` of one (batch, kv head)."""
+
+  def load(step, slot):
+    rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot],
+                            k_ready.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot],
+                            v_ready.at[slot])
+
+  return load
+
+
+def query_loader(q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem,
+                 do_smem, delta_smem, q_ready, do_ready, *, batch,
+                 block_q: int) -> Callable:
+  """load(head, q_start, index): the backward's query-side tiles.
+
+  Q with its lse complete `q_ready[index]`, dO with its delta
+  `do_ready[index]` (two copies each: barriers of two arrivals).
+  """
+
+  def load(head, q_start, index):
+    rows = (batch, pl.ds(q_start, block_q), head)
+    stats = (batch, head, pl.ds(q_start, block_q))
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[index],
+                            q_ready.at[index])
+    plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[index],
+                            q_ready.at[index])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[index],
+                            do_ready.at[index])
+    plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[index],
+                            do_ready.at[index])
+
+  return load
+
+
+def query_block_start(mask: MaskSpec, q_seq: int, block_rows: int):
+  """First query row of this block (grid axis "q_tiles"); causal blocks
+  run in reverse, longest first (they visit the most key tiles)."""
+  tile = lax.axis_index("q_tiles")
+  if mask.is_causal:
+    tile = (pl.cdiv(q_seq, block_rows) - 1) - tile
+  return tile * block_rows
+
+
+def lengths(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, batch,
+            q_seq: int, kv_seq: int):
+  """(q_len, kv_len) of the batch element: int32 scalars read from GMEM
+  with lengths, else the static array lengths."""
+  if mask.has_lengths:
+    return q_lengths_ref[batch], kv_lengths_ref[batch]
+  return q_seq, kv_seq
+
+
+class QueryBlock(NamedTuple):
+  """A block of query rows of the forward and dQ kernels, and the key
+  tiles [steps_lo, steps_hi) any of its rows visits (the producer's)."""
+
+  batch: jax.Array
+  head: jax.Array
+  start: jax.Array
+  q_len: jax.Array | int
+  kv_len: jax.Array | int
+  offset: jax.Array | int
+  steps_lo: jax.Array
+  steps_hi: jax.Array
+
+
+def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
+                q_seq: int, kv_seq: int, block_rows: int,
+                block_kv: int) -> QueryBlock:
+  """This block's position, lengths and key tiles (grid axes "q_tiles",
+  "heads", "batch")."""
+  batch = lax.axis_index("batch")
+  start = query_block_start(mask, q_seq, block_rows)
+  q_len, kv_len = lengths(mask, q_lengths_ref, kv_lengths_ref, batch, q_seq,
+                          kv_seq)
+  offset = masks.causal_offset(mask, q_len, kv_len)
+  union = masks.key_blocks(mask, start, block_rows, block_kv, q_len, kv_len,
+                           offset).runs()
+  steps_lo = as_int32(union[0][0])
+  steps_hi = jnp.maximum(as_int32(union[-1][1]), steps_lo)
+  return QueryBlock(batch=batch, head=lax.axis_index("heads"), start=start,
+                    q_len=q_len, kv_len=kv_len, offset=offset,
+                    steps_lo=steps_lo, steps_hi=steps_hi)
