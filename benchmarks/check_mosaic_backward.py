@@ -17,7 +17,6 @@ import numpy as np
 
 from jflash._src.backends.mosaic import backward
 from jflash._src.backends.mosaic import forward
-from jflash._src.backends.mosaic.config import default_backward_block_sizes
 from jflash._src.backends.mosaic.config import default_block_sizes
 from jflash._src.spec import CallSpec, MaskSpec
 
@@ -133,7 +132,7 @@ def run_case(name, *, H, dtype=jnp.bfloat16, B=2, T=256, S=256, N=4, K=2,
   else:
     ql = kl = None
   fwd_bs = default_block_sizes(H)
-  bwd_bs = default_backward_block_sizes(H)
+  bwd_bs = default_block_sizes(H)
 
   @jax.jit
   def kernel_grads(q, k, v, do, ql, kl):

@@ -7,6 +7,7 @@
 from jflash._src import deprecation as _deprecation
 from jflash._src.api import flash_attention
 from jflash._src.api import implementations
+from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.triton.block_sizes import BlockSizes
 from jflash._src.backends.triton.block_sizes import default_block_sizes
 from jflash._src.tuning.autotune import autotune
@@ -15,5 +16,5 @@ _deprecation.silence_triton_deprecation()
 
 __version__ = "0.1.0"
 __all__ = [
-    "BlockSizes", "autotune", "default_block_sizes", "flash_attention",
-    "implementations"]
+    "BlockSizes", "MosaicBlockSizes", "autotune", "default_block_sizes",
+    "flash_attention", "implementations"]

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jflash._src.backends.mosaic import backend as mosaic_backend
+from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.spec import CallSpec
 from jflash._src.spec import MaskSpec
 from jflash._src.spec import ModifierSpec
@@ -45,6 +46,18 @@ class MosaicLoweringTest(parameterized.TestCase):
   @parameterized.named_parameters(*[(c[0], *c) for c in CASES])
   def test_both_passes_lower_for_cuda(self, name, shape, dtype,
                                       mask_options, soft_cap):
+    self._check_lowering(name, shape, dtype, mask_options, soft_cap)
+
+  def test_other_tiles_lower_for_cuda(self):
+    # Deeper forward ring, wider backward ring tiles.
+    self._check_lowering(
+        "tiles", (1, 192, 320, 2, 2, 128), "bfloat16", dict(is_causal=True),
+        None, block_sizes=MosaicBlockSizes(
+            block_kv=64, num_stages=3, block_kv_dq=128, block_q_dkv=128,
+            backward_stages=2))
+
+  def _check_lowering(self, name, shape, dtype, mask_options, soft_cap,
+                      block_sizes=None):
     batch, q_len, kv_len, heads, kv_heads, head_dim = shape
     spec = CallSpec(batch=batch, q_len=q_len, kv_len=kv_len,
                     num_heads=heads, num_kv_heads=kv_heads,
@@ -53,7 +66,8 @@ class MosaicLoweringTest(parameterized.TestCase):
                                        **mask_options}),
                     logits_soft_cap=soft_cap,
                     modifiers=ModifierSpec(has_sinks=name.endswith("sinks")))
-    config = mosaic_backend.configure(spec, {})
+    config = mosaic_backend.configure(
+        spec, {} if block_sizes is None else {"block_sizes": block_sizes})
     q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), dtype)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)

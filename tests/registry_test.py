@@ -14,6 +14,7 @@ from jflash._src import api
 from jflash._src import binding
 from jflash._src import platform
 from jflash._src import registry
+from jflash._src.backends.mosaic import backend as mosaic_backend
 from jflash._src.backends.triton import backend as triton_backend
 from tests import test_util
 
@@ -51,6 +52,7 @@ class RegistryTest(absltest.TestCase):
     self.assertFalse(cudnn["default_here"])
     self.assertEqual(triton["max_head_dim"], 256)
     self.assertEqual(triton["arguments"], ["block_sizes", "interpret"])
+    self.assertEqual(mosaic["arguments"], ["block_sizes"])
     self.assertIn("float64", xla["dtypes"])
     for name in ("triton", "xla"):
       self.assertEqual(listing[name]["passes"], ["forward", "backward"])
@@ -98,6 +100,48 @@ class RegistryTest(absltest.TestCase):
             registry.unsupported_reason(mosaic, call.spec, "forward", {}),
             "mosaic supports head_dim in {64, 128, 256}; got head_dim=96.")
 
+  def test_block_sizes_choose_their_backend(self):
+    # On a Hopper GPU (mocked), a jflash.MosaicBlockSizes runs the Mosaic
+    # kernels and a jflash.BlockSizes the Triton ones; naming a backend
+    # with the other's tiles is an error.
+    q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+    mosaic_tiles = jflash.MosaicBlockSizes(block_kv=64)
+    with mock.patch.object(registry, "current_platform",
+                           return_value="cuda"), \
+        mock.patch.object(platform, "cuda_compute_capability",
+                          return_value="9.0"):
+      for tiles, expected in ((mosaic_tiles, "mosaic"),
+                              (test_util.SMALL_BLOCKS, "triton")):
+        call = api.describe(q, q, q, block_sizes=tiles)
+        plan = registry.plan(call.spec, None, call.options)
+        self.assertEqual((plan.forward, plan.backward), (expected,) * 2)
+      self.assertEqual(registry.plan(
+          api.describe(q, q, q, block_sizes=mosaic_tiles).spec, "mosaic",
+          {"block_sizes": mosaic_tiles}).forward_config.block_sizes,
+                       mosaic_tiles)
+      for tiles, named, owner in (
+          (test_util.SMALL_BLOCKS, "mosaic", "triton"),
+          (mosaic_tiles, "triton", "mosaic")):
+        call = api.describe(q, q, q, block_sizes=tiles)
+        with self.assertRaisesRegex(
+            ValueError, f"block_sizes \\({type(tiles).__name__}\\) "
+            f"configures the {owner} backend; it cannot be combined with "
+            f"implementation='{named}'"):
+          registry.plan(call.spec, named, call.options)
+
+  def test_mosaic_tiles_must_fit_shared_memory(self):
+    q = jnp.ones((1, 64, 2, 128), jnp.bfloat16)
+    call = api.describe(q, q, q)
+    too_big = jflash.MosaicBlockSizes(block_kv=256, num_stages=3)
+    with self.assertRaisesRegex(ValueError, "need 426496 bytes of shared "
+                                "memory in the forward pass at "
+                                "head_dim=128"):
+      mosaic_backend.configure(call.spec, {"block_sizes": too_big})
+    for bad in (dict(block_q=32), dict(block_kv_dq=100),
+                dict(num_stages=1), dict(backward_stages=1.5)):
+      with self.subTest(**bad), self.assertRaisesRegex(ValueError, "must"):
+        jflash.MosaicBlockSizes(**bad)
+
   def test_a_named_forward_only_backend_raises_when_differentiated(self):
     # Its forward runs; the gradient names the pass it lacks.
     forward_only = dataclasses.replace(
@@ -127,7 +171,8 @@ class RegistryTest(absltest.TestCase):
 
   def test_backend_options_must_belong_to_the_named_backend(self):
     q = jnp.ones((1, 8, 2, 32))
-    with self.assertRaisesRegex(ValueError, "block_sizes configures the "
+    with self.assertRaisesRegex(ValueError, "block_sizes \\(BlockSizes\\) "
+                                "configures the "
                                 "triton backend.*implementation='xla'"):
       jflash.flash_attention(q, q, q, implementation="xla",
                              block_sizes=test_util.SMALL_BLOCKS)

@@ -17,6 +17,7 @@ from jflash._src import dropout
 from jflash._src import modifiers
 from jflash._src import registry
 from jflash._src import validation
+from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.triton.block_sizes import BlockSizes
 from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
@@ -36,7 +37,7 @@ def flash_attention(
     key_value_seq_lengths: jax.typing.ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None,
-    block_sizes: BlockSizes | None = None,
+    block_sizes: BlockSizes | MosaicBlockSizes | None = None,
     interpret: bool = False,
     logits_soft_cap: float | None = None,
     causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
@@ -150,17 +151,23 @@ def flash_attention(
       row t sees keys s with t - left <= s <= t + right (around the shifted
       diagonal with causal_alignment="bottom_right"). Key tiles outside the
       band are never visited.
-    implementation: a backend of `jflash.implementations()`: "triton" for
-      the Pallas-Triton kernels (a CUDA GPU, or any machine with
+    implementation: a backend of `jflash.implementations()`: "mosaic" for
+      the Mosaic GPU kernels (Hopper: H100, H200); "triton" for the
+      Pallas-Triton kernels (a CUDA GPU, or any machine with
       `interpret=True`); "xla" for the pure-JAX path (it materializes the
-      attention matrix). None picks, for the forward and the backward pass
-      separately, the first backend that supports the call and runs here by
-      default: "triton" on a CUDA GPU (or with `interpret=True` or
-      `block_sizes`), "xla" elsewhere. A named backend that cannot run the
-      call raises NotImplementedError saying why.
-    block_sizes: kernel tiles and launch parameters; default: the tiles
-      `jflash.autotune` cached for this device and shape, else
-      `jflash.default_block_sizes`.
+      attention matrix); "cudnn" for jax.nn's cuDNN path. None picks, for
+      the forward and the backward pass separately, the first backend that
+      supports the call and runs here by default: "mosaic" on Hopper, then
+      "triton" on a CUDA GPU (or with `interpret=True` or a
+      `jflash.BlockSizes`), "xla" elsewhere. A named backend that cannot run
+      the forward of the call raises NotImplementedError saying why (one
+      that cannot run its backward raises when it is differentiated).
+    block_sizes: kernel tiles and launch parameters: a `jflash.BlockSizes`
+      for the Triton kernels (default: the tiles `jflash.autotune` cached
+      for this device and shape, else `jflash.default_block_sizes`), or a
+      `jflash.MosaicBlockSizes` for the Mosaic GPU kernels (default: by
+      head dim). Setting one restricts `implementation=None` to its
+      backend.
     interpret: run the very same kernels through the Pallas interpreter (on
       any backend, slowly); used by the CPU test suite.
     logits_soft_cap: if set (a positive float), logits become
@@ -271,9 +278,11 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
   describes the call; raises ValueError for bad input."""
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   validation.check_operands(query, key, value)
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise ValueError(f"block_sizes must be a jflash.BlockSizes or None; got "
-                     f"{type(block_sizes).__name__}.")
+  if block_sizes is not None and not isinstance(
+      block_sizes, (BlockSizes, MosaicBlockSizes)):
+    raise ValueError(f"block_sizes must be a jflash.BlockSizes (Triton "
+                     f"kernels), a jflash.MosaicBlockSizes (Mosaic GPU "
+                     f"kernels) or None; got {type(block_sizes).__name__}.")
   bias = validation.check_dense(bias, "bias", query, key)
   mask = validation.check_dense(mask, "mask", query, key)
   sinks = validation.check_sinks(sinks, query.shape)

@@ -131,6 +131,9 @@ class Backend:
     option_names: the user options it takes (e.g. "block_sizes",
       "interpret"); a call that sets another backend's option never runs
       here.
+    option_types: for options that several backends take, the type of
+      value this one takes (its `block_sizes` class): a value of another
+      type belongs to another backend.
     configure: (spec, options) -> its hashable configuration for the call;
       may raise ValueError for bad option values.
     forward: (spec, config, operands) -> (out, lse2).
@@ -151,6 +154,13 @@ class Backend:
   backward: Callable[..., Any] | None
   differentiable: bool = False
   direct: Callable[..., Any] | None = None
+  option_types: dict[str, type] = dataclasses.field(default_factory=dict)
+
+  def takes(self, options: dict[str, Any]) -> bool:
+    """Whether every option set is one of its own (name and type)."""
+    return all(name in self.option_names
+               and isinstance(value, self.option_types.get(name, object))
+               for name, value in options.items())
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -274,16 +284,16 @@ def plan(spec: CallSpec, implementation: str | None,
       raise ValueError(f"implementation must be one of {names()} or None; "
                        f"got {implementation!r}.")
     backend = _REGISTRY[implementation]
-    for option in options:
-      if option not in backend.option_names:
-        owners = [n for n in names() if option in get(n).option_names]
+    for option, value in options.items():
+      if not backend.takes({option: value}):
+        owners = [n for n in names() if get(n).takes({option: value})]
         raise ValueError(
-            f"{option} configures the {'/'.join(owners)} backend; it cannot "
-            f"be combined with implementation={implementation!r}.")
+            f"{option} ({type(value).__name__}) configures the "
+            f"{'/'.join(owners) or 'no'} backend; it cannot be combined with "
+            f"implementation={implementation!r}.")
     candidates = [backend]
   else:
-    candidates = [get(n) for n in names()
-                  if set(options) <= get(n).option_names]
+    candidates = [get(n) for n in names() if get(n).takes(options)]
   chosen = {}
   backward_error = None
   for pass_ in PASSES:

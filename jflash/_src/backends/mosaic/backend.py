@@ -18,8 +18,8 @@ from jflash._src import modifiers
 from jflash._src import registry
 from jflash._src.backends.mosaic import backward as backward_kernels
 from jflash._src.backends.mosaic import forward as forward_kernels
+from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.mosaic.config import MosaicConfig
-from jflash._src.backends.mosaic.config import default_backward_block_sizes
 from jflash._src.backends.mosaic.config import default_block_sizes
 from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
@@ -37,13 +37,17 @@ CAPABILITIES = registry.Capabilities(
 
 
 def configure(spec: CallSpec, options: dict[str, Any]) -> MosaicConfig:
-  """The call's tiles (heuristic by head dim)."""
-  del options  # It takes none yet.
+  """The call's tiles: the user's `block_sizes`, else by head dim.
+
+  Raises:
+    ValueError: if the user's tiles exceed Hopper's shared memory.
+  """
   itemsize = 2  # bfloat16 and float16.
-  return MosaicConfig(
-      block_sizes=default_block_sizes(spec.head_dim, itemsize),
-      backward_block_sizes=default_backward_block_sizes(spec.head_dim,
-                                                        itemsize))
+  block_sizes = options.get("block_sizes")
+  if block_sizes is None:
+    block_sizes = default_block_sizes(spec.head_dim, itemsize)
+  block_sizes.check_fits(spec.head_dim, itemsize)
+  return MosaicConfig(block_sizes=block_sizes)
 
 
 def _lengths(spec: CallSpec, operands: Operands):
@@ -79,7 +83,7 @@ def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,
   dq, dk, dv = backward_kernels.backward_call(
       operands.query, operands.key, operands.value, out, dout, lse2, delta,
       *_lengths(spec, operands), spec=spec,
-      block_sizes=config.backward_block_sizes)
+      block_sizes=config.block_sizes)
   dsinks = None
   if operands.sinks is not None:
     dsinks = modifiers.sinks_gradient(operands.sinks, lse2, delta)
@@ -89,7 +93,8 @@ def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,
 BACKEND = registry.Backend(
     name="mosaic",
     capabilities=CAPABILITIES,
-    option_names=frozenset(),
+    option_names=frozenset({"block_sizes"}),
+    option_types={"block_sizes": MosaicBlockSizes},
     configure=configure,
     forward=forward,
     backward=backward,

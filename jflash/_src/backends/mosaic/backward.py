@@ -54,7 +54,7 @@ from jflash._src import numerics
 from jflash._src import sharding
 from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import BWD_COMPUTE_WARPGROUPS
-from jflash._src.backends.mosaic.config import MosaicBackwardBlockSizes
+from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.mosaic.config import backward_warpgroup_split
 from jflash._src.backends.mosaic.forward import COMPUTE_REGISTERS
 from jflash._src.backends.mosaic.forward import PRODUCER_REGISTERS
@@ -417,7 +417,7 @@ def _launch(kernel, scratch, *, out_type, grid, grid_names, args):
 
 def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
                   kv_lengths, *, spec: CallSpec,
-                  block_sizes: MosaicBackwardBlockSizes):
+                  block_sizes: MosaicBlockSizes):
   """Launches the dQ and dK/dV kernels.
 
   Args:
@@ -439,7 +439,7 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
   kv_seq, num_kv_heads = key.shape[1], key.shape[2]
   dtype = query.dtype
   group = num_heads // num_kv_heads
-  stages = block_sizes.num_stages
+  stages = block_sizes.backward_stages
   row_groups, chunks = backward_warpgroup_split(head_dim)
   if q_lengths is None:
     q_lengths = kv_lengths = jnp.zeros((batch,), jnp.int32)  # Unread.

@@ -1,4 +1,4 @@
-"""The Mosaic GPU backend's configuration: tiles and pipeline depth."""
+"""The Mosaic GPU backend's configuration: tiles and pipeline depths."""
 
 from __future__ import annotations
 
@@ -10,29 +10,45 @@ SMEM_BUDGET_BYTES = 227 * 1024 - 2048
 
 @dataclasses.dataclass(frozen=True)
 class MosaicBlockSizes:
-  """Tiles of the Mosaic GPU forward kernel.
+  """Tiles of the Mosaic GPU kernels (Hopper), forward and backward.
+
+  Pass as `flash_attention(..., block_sizes=jflash.MosaicBlockSizes(...))`
+  (the Triton kernels take a `jflash.BlockSizes` there instead). Every tile
+  is a multiple of 64 rows (one wgmma M tile per warpgroup).
 
   Attributes:
-    block_q: query rows per compute warpgroup (a block computes
-      2 * block_q rows: two compute warpgroups). A multiple of 64 (one
-      wgmma M tile per warpgroup).
-    block_kv: key/value rows per pipeline stage, a multiple of 64.
-    num_stages: K/V tiles in flight (the ring's slots), at least 2.
+    block_q: forward: query rows per compute warpgroup (a block computes
+      2 * block_q rows: two compute warpgroups).
+    block_kv: forward: key/value rows per pipeline stage.
+    num_stages: forward: K/V tiles in flight (the ring's slots), >= 2.
+    block_q_dq: dQ kernel: query rows per row group (a block holds
+      `row_groups` of them, see `backward_warpgroup_split`).
+    block_kv_dq: dQ kernel: key/value rows per pipeline stage.
+    block_q_dkv: dK/dV kernel: query rows per pipeline stage.
+    block_kv_dkv: dK/dV kernel: key/value rows per row group.
+    backward_stages: tiles in flight in both backward rings, >= 2.
   """
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
+  block_q_dq: int = 64
+  block_kv_dq: int = 64
+  block_q_dkv: int = 64
+  block_kv_dkv: int = 64
+  backward_stages: int = 3
 
   def __post_init__(self):
-    if self.block_q % 64 or self.block_q <= 0:
-      raise ValueError(f"block_q={self.block_q} must be a positive multiple "
-                       "of 64.")
-    if self.block_kv % 64 or self.block_kv <= 0:
-      raise ValueError(f"block_kv={self.block_kv} must be a positive "
-                       "multiple of 64.")
-    if self.num_stages < 2:
-      raise ValueError(f"num_stages={self.num_stages} must be at least 2.")
+    for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq",
+                 "block_q_dkv", "block_kv_dkv"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value % 64 or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive multiple of "
+                         "64.")
+    for name in ("num_stages", "backward_stages"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 2:
+        raise ValueError(f"{name}={value!r} must be an int >= 2.")
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the forward kernel: Q/O of both compute warpgroups,
@@ -41,16 +57,45 @@ class MosaicBlockSizes:
     kv = 2 * self.num_stages * self.block_kv * head_dim * itemsize
     return q + kv + 2 * self.block_q * 4
 
+  def backward_smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    """Shared memory of the larger of the two backward kernels."""
+    row_groups, _ = backward_warpgroup_split(head_dim)
+    tile = lambda rows: rows * head_dim * itemsize
+    stages = self.backward_stages
+    # dQ: Q and dO per row group, lse and delta, the K/V ring.
+    dq = (row_groups * (2 * tile(self.block_q_dq) + 2 * 4 * self.block_q_dq)
+          + stages * 2 * tile(self.block_kv_dq))
+    # dK/dV: K and V per row group, the Q/dO/lse/delta ring.
+    dkv = (row_groups * 2 * tile(self.block_kv_dkv)
+           + stages * (2 * tile(self.block_q_dkv) + 2 * 4 * self.block_q_dkv))
+    return max(dq, dkv)
+
+  def check_fits(self, head_dim: int, itemsize: int) -> None:
+    """Raises ValueError if a kernel's shared memory exceeds Hopper's."""
+    for pass_, needed in (
+        ("forward", self.smem_bytes(head_dim, itemsize)),
+        ("backward", self.backward_smem_bytes(head_dim, itemsize))):
+      if needed > SMEM_BUDGET_BYTES:
+        raise ValueError(
+            f"block_sizes={self} need {needed} bytes of shared memory in the "
+            f"{pass_} pass at head_dim={head_dim}; a Hopper block has "
+            f"{SMEM_BUDGET_BYTES}.")
+
 
 def default_block_sizes(head_dim: int, itemsize: int = 2
                         ) -> MosaicBlockSizes:
-  """Tiles by head dim: 64x128 with 2 stages, smaller K/V tiles where
-  shared memory (227 KiB) or registers run out (head dim 256)."""
+  """The tiles by head dim (H100, 2026-11-23, WORKSPACE_NOTES.md).
+
+  Forward: 64x128 with 2 stages (the best of the sweep at D=64 and 128),
+  64x64 at D=256 (only it fits). Backward: 64-row tiles everywhere
+  (tokamax's most frequent backward winner on H100), 3 stages, 2 at
+  D=256 where shared memory (227 KiB) runs out.
+  """
   if head_dim > 128:
-    sizes = MosaicBlockSizes(block_q=64, block_kv=64, num_stages=2)
+    sizes = MosaicBlockSizes(block_kv=64, backward_stages=2)
   else:
-    sizes = MosaicBlockSizes(block_q=64, block_kv=128, num_stages=2)
-  assert sizes.smem_bytes(head_dim, itemsize) <= SMEM_BUDGET_BYTES
+    sizes = MosaicBlockSizes()
+  sizes.check_fits(head_dim, itemsize)
   return sizes
 
 
@@ -74,72 +119,11 @@ def backward_warpgroup_split(head_dim: int) -> tuple[int, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicBackwardBlockSizes:
-  """Tiles of the Mosaic GPU backward kernels (backward.py).
-
-  Attributes:
-    block_q_dq: query rows per row group of the dQ kernel (a block holds
-      `row_groups` of them, see `backward_warpgroup_split`), a multiple
-      of 64.
-    block_kv_dq: key/value rows per pipeline stage of the dQ kernel, a
-      multiple of 64.
-    block_q_dkv: query rows per pipeline stage of the dK/dV kernel, a
-      multiple of 64.
-    block_kv_dkv: key/value rows per row group of the dK/dV kernel, a
-      multiple of 64.
-    num_stages: tiles in flight in both kernels' rings, at least 2.
-  """
-
-  block_q_dq: int = 64
-  block_kv_dq: int = 64
-  block_q_dkv: int = 64
-  block_kv_dkv: int = 64
-  num_stages: int = 2
-
-  def __post_init__(self):
-    for name in ("block_q_dq", "block_kv_dq", "block_q_dkv",
-                 "block_kv_dkv"):
-      value = getattr(self, name)
-      if value % 64 or value <= 0:
-        raise ValueError(f"{name}={value} must be a positive multiple of "
-                         "64.")
-    if self.num_stages < 2:
-      raise ValueError(f"num_stages={self.num_stages} must be at least 2.")
-
-  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    """Shared memory of the larger of the two backward kernels."""
-    row_groups, _ = backward_warpgroup_split(head_dim)
-    tile = lambda rows: rows * head_dim * itemsize
-    # dQ: Q and dO per row group, lse and delta, the K/V ring.
-    dq = (row_groups * (2 * tile(self.block_q_dq) + 2 * 4 * self.block_q_dq)
-          + self.num_stages * 2 * tile(self.block_kv_dq))
-    # dK/dV: K and V per row group, the Q/dO/lse/delta ring.
-    dkv = (row_groups * 2 * tile(self.block_kv_dkv)
-           + self.num_stages * (2 * tile(self.block_q_dkv)
-                                + 2 * 4 * self.block_q_dkv))
-    return max(dq, dkv)
-
-
-def default_backward_block_sizes(head_dim: int, itemsize: int = 2
-                                 ) -> MosaicBackwardBlockSizes:
-  """64-row tiles everywhere (tokamax's most frequent backward winner on
-  H100), 3 stages, 2 where shared memory (227 KiB) runs out (head dim
-  256)."""
-  sizes = MosaicBackwardBlockSizes(num_stages=3)
-  if sizes.smem_bytes(head_dim, itemsize) > SMEM_BUDGET_BYTES:
-    sizes = MosaicBackwardBlockSizes(num_stages=2)
-  assert sizes.smem_bytes(head_dim, itemsize) <= SMEM_BUDGET_BYTES
-  return sizes
-
-
-@dataclasses.dataclass(frozen=True)
 class MosaicConfig:
   """How the Mosaic GPU kernels run one call (hashable).
 
   Attributes:
-    block_sizes: the forward kernel's tiles.
-    backward_block_sizes: the backward kernels' tiles.
+    block_sizes: the kernels' tiles.
   """
 
   block_sizes: MosaicBlockSizes
-  backward_block_sizes: MosaicBackwardBlockSizes

@@ -114,6 +114,7 @@ BACKEND = registry.Backend(
     name="triton",
     capabilities=CAPABILITIES,
     option_names=frozenset({"block_sizes", "interpret"}),
+    option_types={"block_sizes": BlockSizes},
     configure=configure,
     forward=forward,
     backward=backward,
