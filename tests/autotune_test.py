@@ -1,5 +1,6 @@
 """jflash.autotune: checks candidates, keeps the winner, and reuses it."""
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -10,7 +11,10 @@ import jax.numpy as jnp
 
 import jflash
 from jflash._src import api
+from jflash._src import platform
 from jflash._src import registry
+from jflash._src.backends.mosaic import backend as mosaic_backend
+from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.triton import backend as triton_backend
 from jflash._src.tuning import cache
 from tests import test_util
@@ -74,6 +78,59 @@ class AutotuneTest(absltest.TestCase):
       self.assertEqual(best.block_q, 16)
       with self.assertRaisesRegex(ValueError, "every candidate was rejected"):
         self._tune(forward=[(32, 16, 4, 1)])
+
+  def test_mosaic_tiles_are_cached_apart_and_read_by_its_backend(self):
+    # What jflash.autotune(..., implementation="mosaic") writes on a Hopper
+    # GPU, the Mosaic backend reads for that device and shape; Triton's
+    # entry for the same shape is another key.
+    q = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
+    spec = api.describe(q, q, q, is_causal=True).spec
+    shape = dict(q_len=256, kv_len=256, num_heads=2, num_kv_heads=2,
+                 head_dim=128, dtype="bfloat16", is_causal=True,
+                 device_kind="NVIDIA H100 80GB HBM3")
+    tuned = jflash.MosaicBlockSizes(block_kv=64, num_stages=3,
+                                    backward_stages=2)
+    cache.store(self.path, cache.shape_key(**shape, backend="mosaic"),
+                {"block_sizes": dataclasses.asdict(tuned)})
+    cache.store(self.path, cache.shape_key(**shape),
+                {"block_sizes": dataclasses.asdict(jflash.BlockSizes())})
+    with mock.patch.dict(os.environ, {cache.CACHE_ENV_VAR: self.path}), \
+        mock.patch.object(platform, "device_kind",
+                          return_value=shape["device_kind"]):
+      self.assertEqual(mosaic_backend.configure(spec, {}).block_sizes, tuned)
+      other = api.describe(q[:, :128], q[:, :128], q[:, :128],
+                           is_causal=True).spec
+      self.assertEqual(mosaic_backend.configure(other, {}).block_sizes,
+                       mosaic_config.default_block_sizes(128))
+
+  def test_mosaic_search_on_hopper(self):
+    if platform.cuda_compute_capability() != "9.0":
+      self.skipTest("the Mosaic kernels run on Hopper GPUs only (the "
+                    "GPU suite on an H100/H200 runs this test)")
+    q, k, v = test_util.random_inputs(41, batch=1, q_len=200, kv_len=200,
+                                      num_heads=2, head_dim=128,
+                                      dtype="bfloat16")[:3]
+    best = jflash.autotune(
+        q, k, v, is_causal=True, implementation="mosaic",
+        forward_candidates=[(64, 64, 2), (64, 128, 2), (64, 256, 3)],
+        backward_candidates=[(64, 64, 64, 64, 2)], repeats=1, iters=1,
+        path=self.path)
+    self.assertIsInstance(best, jflash.MosaicBlockSizes)
+    self.assertIn(best.block_kv, (64, 128))  # 256 x 3 stages do not fit.
+    with open(self.path) as f:
+      (key,) = json.load(f)
+    self.assertStartsWith(key, "mosaic|")
+
+  def test_mosaic_autotune_needs_hopper_and_names_the_reason(self):
+    if platform.cuda_compute_capability() == "9.0":
+      self.skipTest("on Hopper the Mosaic search runs (GPU suite)")
+    q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+    with self.assertRaisesRegex(NotImplementedError,
+                                "jflash.autotune: mosaic needs"):
+      jflash.autotune(q, q, q, implementation="mosaic", path=self.path)
+    with self.assertRaisesRegex(ValueError, "implementation must be one of "
+                                "\\('triton', 'mosaic'\\); got 'xla'"):
+      jflash.autotune(q, q, q, implementation="xla", path=self.path)
 
   def test_cache_can_be_disabled(self):
     with mock.patch.dict(os.environ, {cache.CACHE_ENV_VAR: "off"}):

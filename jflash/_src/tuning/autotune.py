@@ -1,13 +1,14 @@
 """Autotuning: search tile sizes for one shape, check them, cache the winner.
 
-`autotune` times candidate `BlockSizes` for one problem shape on the current
-device in two phases (forward tiles timed forward-only, then backward tiles
-timed as forward+backward with the chosen forward tiles), rejects every
-candidate that fails to compile or whose result disagrees with the reference,
-and stores the winner in a JSON file keyed by device kind and shape.
-The Triton backend consults that file whenever a call comes without
-`block_sizes`, so a shape tuned once stays tuned (tuning/cache.py). This
-module calls the public function; nothing in jflash imports it but
+`autotune` times candidate tiles (`BlockSizes` for the Triton kernels,
+`MosaicBlockSizes` for the Mosaic GPU ones) for one problem shape on the
+current device in two phases (forward tiles timed forward-only, then
+backward tiles timed as forward+backward with the chosen forward tiles),
+rejects every candidate that fails to compile or whose result disagrees with
+the reference, and stores the winner in a JSON file keyed by device kind,
+shape and backend. Both backends consult that file whenever a call comes
+without `block_sizes`, so a shape tuned once stays tuned (tuning/cache.py).
+This module calls the public function; nothing in jflash imports it but
 `jflash.autotune` itself.
 """
 
@@ -24,6 +25,8 @@ import numpy as np
 
 from jflash._src import api
 from jflash._src import platform
+from jflash._src.backends.mosaic import config as mosaic_config
+from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.triton.block_sizes import BlockSizes
 from jflash._src.backends.triton.block_sizes import default_block_sizes
 from jflash._src.tuning import cache
@@ -40,10 +43,45 @@ BACKWARD_CANDIDATES = (
     (16, 16, 16, 16, 4, 1),
 )
 
+# Mosaic GPU: (block_q, block_kv, num_stages) of the forward kernel, and
+# (block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv, backward_stages).
+# Candidates that exceed shared memory at the head dim are skipped.
+MOSAIC_FORWARD_CANDIDATES = (
+    (64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 256, 2), (128, 64, 2),
+)
+MOSAIC_BACKWARD_CANDIDATES = (
+    (64, 64, 64, 64, 3), (64, 64, 64, 64, 2), (64, 128, 128, 64, 2),
+    (64, 64, 64, 128, 2), (128, 64, 64, 64, 2),
+)
+
 # Largest relative error (max |x - ref| / max |ref|) a candidate may show
 # against the float32 reference, per input dtype. Loose enough for 16-bit
 # rounding, far below what a wrong tile loop produces (order 1).
 _MAX_RELATIVE_ERROR = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class _TileSearch:
+  """The fields a backend's candidate tuples set, and its defaults."""
+
+  forward_fields: tuple[str, ...]
+  backward_fields: tuple[str, ...]
+  forward_candidates: tuple[tuple[int, ...], ...]
+  backward_candidates: tuple[tuple[int, ...], ...]
+
+
+_TILES = {
+    "triton": _TileSearch(
+        ("block_q", "block_k", "num_warps", "num_stages"),
+        ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq",
+         "num_warps_bwd", "num_stages_bwd"),
+        FORWARD_CANDIDATES, BACKWARD_CANDIDATES),
+    "mosaic": _TileSearch(
+        ("block_q", "block_kv", "num_stages"),
+        ("block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv",
+         "backward_stages"),
+        MOSAIC_FORWARD_CANDIDATES, MOSAIC_BACKWARD_CANDIDATES),
+}
 
 
 def _relative_error(values, references) -> float:
@@ -74,14 +112,15 @@ def autotune(
     value: jax.Array,
     *,
     is_causal: bool = False,
-    forward_candidates: Sequence[tuple[int, int, int, int]] | None = None,
+    implementation: str = "triton",
+    forward_candidates: Sequence[tuple[int, ...]] | None = None,
     backward_candidates: Sequence[tuple[int, ...]] | None = None,
     interpret: bool = False,
     repeats: int = 5,
     iters: int = 3,
     path: str | None = None,
     verbose: bool = False,
-) -> BlockSizes:
+) -> BlockSizes | MosaicBlockSizes:
   """Finds the fastest correct tiles for this shape and caches them.
 
   Args:
@@ -91,12 +130,17 @@ def autotune(
     key: [batch, kv_len, num_kv_heads, head_dim].
     value: same shape as key.
     is_causal: tune the causal kernels.
-    forward_candidates: (block_q, block_k, num_warps, num_stages) tuples;
-      default `FORWARD_CANDIDATES`.
-    backward_candidates: (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq,
-      num_warps_bwd, num_stages_bwd) tuples; default `BACKWARD_CANDIDATES`.
-    interpret: run the kernels through the Pallas interpreter (for tests on
-      machines without a GPU; the timings then mean nothing).
+    implementation: whose tiles to tune: "triton" (`BlockSizes`) or
+      "mosaic" (`MosaicBlockSizes`, on a Hopper GPU).
+    forward_candidates: triton: (block_q, block_k, num_warps, num_stages)
+      tuples, default `FORWARD_CANDIDATES`; mosaic: (block_q, block_kv,
+      num_stages), default `MOSAIC_FORWARD_CANDIDATES`.
+    backward_candidates: triton: (block_q_dkv, block_k_dkv, block_q_dq,
+      block_k_dq, num_warps_bwd, num_stages_bwd) tuples, default
+      `BACKWARD_CANDIDATES`; mosaic: (block_q_dq, block_kv_dq, block_q_dkv,
+      block_kv_dkv, backward_stages), default `MOSAIC_BACKWARD_CANDIDATES`.
+    interpret: run the Triton kernels through the Pallas interpreter (for
+      tests on machines without a GPU; the timings then mean nothing).
     repeats: timed repeats per candidate (the median counts).
     iters: calls per timed repeat.
     path: cache file; default `cache.cache_path()`. None and caching
@@ -104,12 +148,17 @@ def autotune(
     verbose: print each candidate's time or the reason it was rejected.
 
   Returns:
-    The winning `BlockSizes` (also written to the cache).
+    The winning tiles (also written to the cache).
 
   Raises:
-    ValueError: if the inputs are not 4-D, or if every candidate of a phase
-      is rejected.
+    ValueError: if the inputs are not 4-D, the implementation is not one
+      with tiles, or every candidate of a phase is rejected.
+    NotImplementedError: if the implementation cannot run here (e.g.
+      "mosaic" off Hopper), with the registry's reason.
   """
+  if implementation not in _TILES:
+    raise ValueError(f"implementation must be one of {tuple(_TILES)}; got "
+                     f"{implementation!r}.")
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   if query.ndim != 4 or key.ndim != 4 or key.shape != value.shape:
     raise ValueError(
@@ -122,9 +171,19 @@ def autotune(
                num_kv_heads=num_kv_heads, head_dim=head_dim,
                dtype=query.dtype, is_causal=bool(is_causal),
                device_kind=platform.device_kind())
-  base = default_block_sizes(
-      q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=query.dtype,
-      is_causal=bool(is_causal), device_kind=shape["device_kind"])
+  options = {"interpret": interpret} if implementation == "triton" else {}
+  reason = api.unsupported_reason(query, key, value, is_causal=is_causal,
+                                  implementation=implementation, **options)
+  if reason is not None:
+    raise NotImplementedError(f"jflash.autotune: {reason}")
+  tiles = _TILES[implementation]
+  itemsize = jnp.dtype(query.dtype).itemsize
+  if implementation == "triton":
+    base = default_block_sizes(
+        q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=query.dtype,
+        is_causal=bool(is_causal), device_kind=shape["device_kind"])
+  else:
+    base = mosaic_config.default_block_sizes(head_dim, itemsize)
   cotangent = jax.random.normal(jax.random.key(0), query.shape, query.dtype)
   upcast = [x.astype(jnp.float32) for x in (query, key, value)]
   with jax.default_matmul_precision("highest"):
@@ -136,8 +195,8 @@ def autotune(
 
   def attention(sizes):
     return lambda q, k, v: api.flash_attention(
-        q, k, v, is_causal=is_causal, implementation="triton",
-        block_sizes=sizes, interpret=interpret)
+        q, k, v, is_causal=is_causal, implementation=implementation,
+        block_sizes=sizes, **options)
 
   def forward_step(sizes):
     return jax.jit(lambda q, k, v: (attention(sizes)(q, k, v),))
@@ -172,20 +231,29 @@ def autotune(
                        "verbose=True.")
     return min(results, key=lambda r: r[0])
 
-  forward = [
-      dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=w,
-                          num_stages=s)
-      for bq, bk, w, s in forward_candidates or FORWARD_CANDIDATES]
-  forward_seconds, best = best_of(forward, forward_step, 1)
-  backward = [
-      dataclasses.replace(best, block_q_dkv=a, block_k_dkv=b, block_q_dq=c,
-                          block_k_dq=d, num_warps_bwd=w, num_stages_bwd=s)
-      for a, b, c, d, w, s in backward_candidates or BACKWARD_CANDIDATES]
-  total_seconds, best = best_of(backward, backward_step, 4)
+  def fits(sizes):
+    # Mosaic tiles beyond Hopper's shared memory are not candidates.
+    try:
+      if implementation == "mosaic":
+        sizes.check_fits(head_dim, itemsize)
+    except ValueError as e:
+      if verbose:
+        print(f"jflash.autotune: skipped {sizes}: {e}")
+      return False
+    return True
+
+  forward = [dataclasses.replace(base, **dict(zip(tiles.forward_fields, c)))
+             for c in forward_candidates or tiles.forward_candidates]
+  forward_seconds, best = best_of([s for s in forward if fits(s)],
+                                  forward_step, 1)
+  backward = [dataclasses.replace(best, **dict(zip(tiles.backward_fields, c)))
+              for c in backward_candidates or tiles.backward_candidates]
+  total_seconds, best = best_of([s for s in backward if fits(s)],
+                                backward_step, 4)
 
   path = cache.cache_path() if path is None else path
   if path is not None:
-    cache.store(path, cache.shape_key(**shape), {
+    cache.store(path, cache.shape_key(**shape, backend=implementation), {
         "block_sizes": dataclasses.asdict(best),
         "forward_ms": forward_seconds * 1e3,
         "forward_backward_ms": total_seconds * 1e3,

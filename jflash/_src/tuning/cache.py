@@ -30,10 +30,13 @@ def cache_path() -> str | None:
 
 def shape_key(*, q_len: int, kv_len: int, num_heads: int, num_kv_heads: int,
               head_dim: int, dtype: Any, is_causal: bool,
-              device_kind: str) -> str:
-  """The cache key of one problem shape on one kind of device."""
-  return (f"{device_kind}|{jnp.dtype(dtype).name}|T={q_len}|S={kv_len}|"
-          f"N={num_heads}|K={num_kv_heads}|D={head_dim}|causal={is_causal}")
+              device_kind: str, backend: str = "triton") -> str:
+  """The cache key of one problem shape on one kind of device, for one
+  backend's tiles (Triton's keys carry no backend name: they predate the
+  others)."""
+  key = (f"{device_kind}|{jnp.dtype(dtype).name}|T={q_len}|S={kv_len}|"
+         f"N={num_heads}|K={num_kv_heads}|D={head_dim}|causal={is_causal}")
+  return key if backend == "triton" else f"{backend}|{key}"
 
 
 _read_memo: dict[str, tuple[float, dict[str, Any]]] = {}

@@ -15,6 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jflash._src import modifiers
+from jflash._src import platform
 from jflash._src import registry
 from jflash._src.backends.mosaic import backward as backward_kernels
 from jflash._src.backends.mosaic import forward as forward_kernels
@@ -23,6 +24,7 @@ from jflash._src.backends.mosaic.config import MosaicConfig
 from jflash._src.backends.mosaic.config import default_block_sizes
 from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
+from jflash._src.tuning import cache
 
 CAPABILITIES = registry.Capabilities(
     passes=frozenset(registry.PASSES),
@@ -37,7 +39,8 @@ CAPABILITIES = registry.Capabilities(
 
 
 def configure(spec: CallSpec, options: dict[str, Any]) -> MosaicConfig:
-  """The call's tiles: the user's `block_sizes`, else by head dim.
+  """The call's tiles: the user's `block_sizes`, else the autotuned ones
+  for this device and shape (tuning/cache.py), else by head dim.
 
   Raises:
     ValueError: if the user's tiles exceed Hopper's shared memory.
@@ -45,7 +48,14 @@ def configure(spec: CallSpec, options: dict[str, Any]) -> MosaicConfig:
   itemsize = 2  # bfloat16 and float16.
   block_sizes = options.get("block_sizes")
   if block_sizes is None:
-    block_sizes = default_block_sizes(spec.head_dim, itemsize)
+    entry = cache.lookup(
+        q_len=spec.q_len, kv_len=spec.kv_len, num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        dtype=spec.dtype, is_causal=spec.mask.is_causal,
+        device_kind=platform.device_kind(), backend="mosaic")
+    block_sizes = (default_block_sizes(spec.head_dim, itemsize)
+                   if entry is None
+                   else MosaicBlockSizes(**entry["block_sizes"]))
   block_sizes.check_fits(spec.head_dim, itemsize)
   return MosaicConfig(block_sizes=block_sizes)
 
