@@ -6,6 +6,7 @@
 
 from jflash._src import deprecation as _deprecation
 from jflash._src.api import flash_attention
+from jflash._src.decode import decode_attention
 from jflash._src.api import implementations
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.triton.block_sizes import BlockSizes
@@ -16,5 +17,5 @@ _deprecation.silence_triton_deprecation()
 
 __version__ = "0.1.0"
 __all__ = [
-    "BlockSizes", "MosaicBlockSizes", "autotune", "default_block_sizes",
-    "flash_attention", "implementations"]
+    "BlockSizes", "MosaicBlockSizes", "autotune", "decode_attention",
+    "default_block_sizes", "flash_attention", "implementations"]

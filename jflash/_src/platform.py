@@ -28,3 +28,16 @@ def cuda_compute_capability() -> str | None:
   if not cuda_gpu_available():
     return None
   return str(getattr(jax.devices()[0], "compute_capability", "")) or None
+
+
+# Hopper's count (H100 SXM, H200), for machines that report none (CPU).
+DEFAULT_MULTIPROCESSORS = 132
+
+
+def multiprocessor_count() -> int:
+  """The default GPU's streaming multiprocessors (DEFAULT_MULTIPROCESSORS
+  off a GPU or where JAX does not report it)."""
+  if not cuda_gpu_available():
+    return DEFAULT_MULTIPROCESSORS
+  count = getattr(jax.devices()[0], "core_count", None)
+  return int(count) if count else DEFAULT_MULTIPROCESSORS

@@ -1,0 +1,172 @@
+"""Split-K decode kernel (flash-decoding) on Pallas-Triton.
+
+Generation attends T = 1..16 new query tokens per sequence to a long KV
+cache. The training forward would give each query head its own program
+(few programs at small batch, each re-reading its kv head's cache), so this
+kernel instead:
+
+- packs the query rows of one kv head, T tokens x g query heads of its GQA
+  group, into the rows of one tile (row r = token r // g, head r % g), so
+  each K/V tile is read once per kv head;
+- cuts the key tiles a sequence's rows can see into `num_splits` chunks,
+  one program each: grid (split, batch, kv head). Each program writes its
+  chunk's normalized float32 output and base-2 lse; `combine` (XLA) merges
+  the chunks through their lse. A chunk with nothing to see (past the
+  sequence's length, outside the window) writes lse = -inf and O = 0.
+
+Positions: the cache holds L = key_value_seq_lengths[b] entries, the T new
+tokens last; query token t sits at position L - T + t, which is
+`masks.visible` with a bottom-right causal offset L - T. Only the key tiles
+of `masks.key_blocks` are read (a window reads its band).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from jflash._src import masks
+from jflash._src import numerics
+from jflash._src import sharding
+from jflash._src.backends.triton import tiles
+from jflash._src.spec import MaskSpec
+
+
+def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, slopes_ref, o_ref,
+                  lse_ref, *, mask: MaskSpec, scale: float,
+                  soft_cap: float | None, block_k: int, head_dim: int,
+                  num_tokens: int, group: int, num_splits: int):
+  split, batch = pl.program_id(0), pl.program_id(1)
+  rows_padded = q_ref.shape[0]
+  kv_seq = k_ref.shape[0]
+  kv_len = plgpu.load(lengths_ref.at[batch])
+  offset = kv_len - num_tokens  # Token t sits at position L - T + t.
+  tokens = (jnp.arange(rows_padded, dtype=jnp.int32) // group)[:, None]
+
+  # The key tiles any token sees, cut into num_splits chunks.
+  runs = masks.key_blocks(mask, 0, num_tokens, block_k, num_tokens, kv_len,
+                          offset).runs()
+  first = jnp.asarray(runs[0][0], jnp.int32)
+  last = jnp.maximum(jnp.asarray(runs[-1][1], jnp.int32), first)
+  chunk = lax.div(last - first + (num_splits - 1), num_splits)
+  lo = jnp.minimum(first + split * chunk, last)
+  hi = jnp.minimum(lo + chunk, last)
+
+  q = tiles.load_tile(q_ref, 0, rows_padded, seq_len=None,
+                      head_dim=head_dim)
+  slope2 = None
+  if slopes_ref is not None:
+    slope2 = (plgpu.load(slopes_ref.at[:]) * numerics.LOG2_E)[:, None]
+
+  def step(k_tile_index, carry):
+    acc, row_max, row_sum = carry
+    k_start = k_tile_index * block_k
+    k = tiles.load_tile(k_ref, k_start, block_k, seq_len=kv_seq,
+                        head_dim=head_dim)
+    v = tiles.load_tile(v_ref, k_start, block_k, seq_len=kv_seq,
+                        head_dim=head_dim)
+    logits, _ = numerics.logits_base2(tiles.matmul(q, k, trans_b=True),
+                                      scale=scale, soft_cap=soft_cap)
+    cols = numerics.tile_columns(k_start, block_k)
+    if slope2 is not None:
+      # ALiBi: minus slope x distance from the token's position.
+      distance = jnp.abs((tokens + offset - cols).astype(jnp.float32))
+      logits = logits - slope2 * distance
+    # Every tile is masked: decode is bound by reading the cache, and the
+    # mask costs a few operations per element of a small tile.
+    seen = masks.visible(mask, tokens, cols, kv_len, offset)
+    logits = jnp.where(seen, logits, numerics.MASK_VALUE)
+    new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+    probs = jnp.where(seen, jnp.exp2(logits - new_max[:, None]), 0.0)
+    correction = jnp.exp2(row_max - new_max)
+    row_sum = row_sum * correction + jnp.sum(probs, axis=1)
+    acc = acc * correction[:, None] + tiles.matmul(probs.astype(v.dtype), v)
+    return acc, new_max, row_sum
+
+  acc, row_max, row_sum = lax.fori_loop(lo, hi, step, (
+      jnp.zeros((rows_padded, q_ref.shape[-1]), jnp.float32),
+      jnp.full((rows_padded,), numerics.MASK_VALUE, jnp.float32),
+      jnp.zeros((rows_padded,), jnp.float32)))
+  has_keys = row_sum > 0.0
+  safe_sum = jnp.where(has_keys, row_sum, 1.0)
+  out = acc * jnp.where(has_keys, 1.0 / safe_sum, 0.0)[:, None]
+  lse = jnp.where(has_keys, row_max + jnp.log2(safe_sum), -jnp.inf)
+  tiles.store_tile(o_ref, 0, out, seq_len=rows_padded, head_dim=head_dim)
+  tiles.store_row_stats(lse_ref, 0, lse, seq_len=rows_padded)
+
+
+def decode_call(q_packed, key, value, lengths, slopes, *, mask: MaskSpec,
+                scale: float, soft_cap: float | None, num_tokens: int,
+                group: int, num_splits: int, block_k: int, num_warps: int,
+                num_stages: int, interpret: bool):
+  """The split partials of decode attention.
+
+  Args:
+    q_packed: [B, K, M, H], M >= T * g rows (row r: token r // g, query
+      head kv * g + r % g; rows past T * g are padding).
+    key, value: dense caches [B, S, K, H].
+    lengths: int32 [B], valid cache entries including the T new tokens.
+    slopes: float32 [B, K, M] ALiBi slopes per row (natural units), or None.
+    mask: MaskSpec(bottom_right causal or not, window, has_lengths=True).
+    scale, soft_cap: as flash_attention's.
+    num_tokens, group: T and g.
+    num_splits, block_k, num_warps, num_stages: launch configuration.
+    interpret: run through the Pallas interpreter.
+
+  Returns:
+    (out float32 [P, B, K, M, H], lse2 float32 [P, B, K, M]) per split P;
+    rows that see nothing in a split have lse2 = -inf and out = 0.
+  """
+  batch, num_kv_heads, rows_padded, head_dim = q_packed.shape
+  kv_seq = key.shape[1]
+  head_dim_p = tiles.head_dim_padded(head_dim)
+  q_spec = pl.BlockSpec((None, None, rows_padded, head_dim_p),
+                        lambda s, b, h: (b, h, 0, 0))
+  kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
+                         lambda s, b, h: (b, 0, h, 0))
+  kernel = functools.partial(
+      decode_kernel, mask=mask, scale=scale, soft_cap=soft_cap,
+      block_k=block_k, head_dim=head_dim, num_tokens=num_tokens,
+      group=group, num_splits=num_splits)
+  in_specs = [q_spec, kv_spec, kv_spec,
+              pl.BlockSpec((batch,), lambda s, b, h: (0,))]
+  args = [q_packed, key, value, lengths]
+  if slopes is not None:
+    in_specs.append(pl.BlockSpec((None, None, rows_padded),
+                                 lambda s, b, h: (b, h, 0)))
+    args.append(slopes)
+  else:
+    kernel = functools.partial(kernel, slopes_ref=None)
+
+  def body(*refs):
+    if slopes is None:
+      q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref = refs
+      kernel(q_ref, k_ref, v_ref, len_ref, o_ref=o_ref, lse_ref=lse_ref)
+    else:
+      kernel(*refs)
+
+  parts = (num_splits, batch, num_kv_heads, rows_padded)
+  return pl.pallas_call(
+      body,
+      grid=(num_splits, batch, num_kv_heads),
+      in_specs=in_specs,
+      out_specs=[
+          pl.BlockSpec((None, None, None, rows_padded, head_dim_p),
+                       lambda s, b, h: (s, b, h, 0, 0)),
+          pl.BlockSpec((None, None, None, rows_padded),
+                       lambda s, b, h: (s, b, h, 0)),
+      ],
+      out_shape=[
+          sharding.output_struct((*parts, head_dim), jnp.float32, q_packed,
+                                 key),
+          sharding.output_struct(parts, jnp.float32, q_packed, key),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                           num_stages=num_stages),
+      interpret=interpret,
+      name="jflash_decode",
+  )(*args)

@@ -1,0 +1,207 @@
+"""jflash.decode_attention: the split-K kernel and the XLA path against a
+plain NumPy float64 reference written from the documented semantics."""
+
+from unittest import mock
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from jflash._src import decode
+from tests import test_util
+from tests import tolerances
+
+# Both implementations; the kernel through the interpreter on CPU.
+IMPLEMENTATIONS = (("triton", dict(implementation="triton",
+                                   interpret=test_util.INTERPRET)),
+                   ("xla", dict(implementation="xla")))
+
+
+def reference(q, k, v, lengths, *, is_causal=True, window=None,
+              soft_cap=None, sinks=None, slopes=None, scale=None):
+  """out [B, T, N, H] and natural lse [B, T, N], float64, by definition:
+  token t of sequence b sits at position L - T + t."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  batch, num_tokens, num_heads, head_dim = q.shape
+  kv_seq, num_kv_heads = k.shape[1:3]
+  group = num_heads // num_kv_heads
+  scale = head_dim ** -0.5 if scale is None else scale
+  out = np.zeros(q.shape)
+  lse = np.full((batch, num_tokens, num_heads), -np.inf)
+  cols = np.arange(kv_seq)
+  if isinstance(window, int):
+    window = (window, window)
+  for b in range(batch):
+    length = int(lengths[b])
+    for t in range(num_tokens):
+      position = length - num_tokens + t
+      seen = cols < length
+      if is_causal:
+        seen &= cols <= position
+      if window is not None:
+        seen &= (cols >= position - window[0]) & (cols <= position + window[1])
+      for n in range(num_heads):
+        logits = scale * (k[b, :, n // group] @ q[b, t, n])
+        if soft_cap is not None:
+          logits = soft_cap * np.tanh(logits / soft_cap)
+        if slopes is not None:
+          logits = logits - slopes[n] * np.abs(position - cols)
+        logits = np.where(seen, logits, -np.inf)
+        if sinks is not None:
+          logits = np.append(logits, sinks[n])
+        if not np.isfinite(logits).any():
+          continue
+        top = logits.max()
+        weights = np.exp(logits - top)
+        lse[b, t, n] = top + np.log(weights.sum())
+        probs = weights[:kv_seq] / weights.sum()
+        out[b, t, n] = probs @ v[b, :, n // group]
+  return out, lse
+
+
+def _inputs(seed, *, batch=3, num_tokens=2, num_heads=4, num_kv_heads=2,
+            kv_seq=96, head_dim=32, dtype="float32"):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (batch, num_tokens, num_heads, head_dim),
+                        dtype)
+  k = jax.random.normal(keys[1], (batch, kv_seq, num_kv_heads, head_dim),
+                        dtype)
+  v = jax.random.normal(keys[2], (batch, kv_seq, num_kv_heads, head_dim),
+                        dtype)
+  return q, k, v
+
+
+class DecodeTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    # 16-key tiles: the short test caches cross several tiles and splits.
+    self.enter_context(mock.patch.object(decode, "BLOCK_K", 16))
+
+  def _check(self, options, q, k, v, lengths, **kwargs):
+    out, lse = jflash.decode_attention(q, k, v, lengths,
+                                       return_residuals=True, **options,
+                                       **kwargs)
+    names = dict(is_causal="is_causal", local_window_size="window",
+                 logits_soft_cap="soft_cap", sinks="sinks",
+                 alibi_slopes="slopes")
+    ref_out, ref_lse = reference(
+        q, k, v, np.asarray(lengths),
+        **{names[key]: (np.asarray(value) if key in ("sinks", "alibi_slopes")
+                        else value)
+           for key, value in kwargs.items() if key in names})
+    self.assertEqual(out.shape, q.shape)
+    self.assertEqual(out.dtype, q.dtype)
+    tolerance = tolerances.direct(q.dtype, float32=2e-5)
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref_out,
+                               atol=tolerance, rtol=tolerance)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite],
+                               atol=tolerance, rtol=tolerance)
+    return out, lse
+
+  @parameterized.product(
+      implementation=IMPLEMENTATIONS,
+      shape=((1, 4, 4), (2, 8, 2), (5, 8, 1), (16, 2, 2)),
+      is_causal=(True, False))
+  def test_tokens_groups_and_causality(self, implementation, shape,
+                                       is_causal):
+    num_tokens, num_heads, num_kv_heads = shape
+    q, k, v = _inputs(1, num_tokens=num_tokens, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads)
+    # Ragged: full, one entry, empty, and fewer entries than tokens.
+    lengths = jnp.array([96, 1, 0, max(1, num_tokens - 1)], jnp.int32)[:3]
+    self._check(implementation[1], q, k, v, lengths, is_causal=is_causal)
+
+  @parameterized.named_parameters(*IMPLEMENTATIONS)
+  def test_window_soft_cap_sinks_alibi(self, options):
+    q, k, v = _inputs(2, num_tokens=3, num_heads=8, num_kv_heads=2)
+    lengths = jnp.array([96, 50, 7], jnp.int32)
+    sinks = jnp.linspace(-1.0, 2.0, 8)
+    slopes = jnp.linspace(0.05, 0.4, 8)
+    for kwargs in (dict(local_window_size=(20, 0)),
+                   dict(local_window_size=(5, 3), is_causal=False),
+                   dict(logits_soft_cap=3.0, sinks=sinks),
+                   dict(alibi_slopes=slopes, local_window_size=40)):
+      with self.subTest(**{k: str(v)[:20] for k, v in kwargs.items()}):
+        self._check(options, q, k, v, lengths, **kwargs)
+
+  def test_every_split_count_gives_the_same_result(self):
+    q, k, v = _inputs(3, num_tokens=2)
+    lengths = jnp.array([96, 40, 0], jnp.int32)
+    results = [jflash.decode_attention(
+        q, k, v, lengths, implementation="triton",
+        interpret=test_util.INTERPRET, num_splits=splits)
+               for splits in (1, 2, 7, 6)]  # 6: one 16-key tile each.
+    for result in results[1:]:
+      np.testing.assert_allclose(result, results[0], atol=2e-6, rtol=2e-6)
+    self._check(dict(implementation="triton", interpret=test_util.INTERPRET,
+                     num_splits=7), q, k, v, lengths)
+
+  def test_bfloat16_cache(self):
+    q, k, v = _inputs(4, dtype="bfloat16", num_tokens=1, num_heads=8,
+                      num_kv_heads=1)
+    self._check(dict(implementation="triton", interpret=test_util.INTERPRET,
+                     num_splits=3), q, k, v,
+                jnp.array([96, 33, 64], jnp.int32))
+
+  def test_matches_flash_attention_bottom_right(self):
+    q, k, v = _inputs(5, num_tokens=4)
+    lengths = jnp.array([96, 20, 4], jnp.int32)
+    expected = jflash.flash_attention(
+        q, k, v, is_causal=True, causal_alignment="bottom_right",
+        key_value_seq_lengths=lengths, implementation="xla")
+    ours = jflash.decode_attention(q, k, v, lengths, implementation="triton",
+                                   interpret=test_util.INTERPRET)
+    np.testing.assert_allclose(ours, expected, atol=2e-5, rtol=2e-5)
+
+  def test_split_count_heuristic(self):
+    # No split once B x K programs fill the GPU; else enough to fill it,
+    # at least four key tiles each. (A GPU of 132 multiprocessors.)
+    self.enter_context(mock.patch.object(
+        decode.platform, "multiprocessor_count", return_value=132))
+    self.assertEqual(decode.default_num_splits(64, 8, 4096, 64), 1)
+    self.assertEqual(decode.default_num_splits(1, 8, 32768, 64), 33)
+    self.assertEqual(decode.default_num_splits(1, 8, 256, 64), 1)
+    self.assertEqual(decode.default_num_splits(8, 8, 8192, 64), 5)
+
+  def test_differentiating_raises(self):
+    q, k, v = _inputs(6, batch=1)
+    fn = lambda q: jflash.decode_attention(
+        q, k, v, jnp.array([96]), implementation="xla").sum()
+    with self.assertRaisesRegex(NotImplementedError, "forward only"):
+      jax.grad(fn)(q)
+
+  @parameterized.named_parameters(
+      ("too_many_tokens", dict(num_tokens=17), {}, ValueError,
+       "1 to 16 new tokens.*flash_attention"),
+      ("lengths_shape", {}, dict(lengths=jnp.zeros((2,), jnp.int32)),
+       ValueError, "key_value_seq_lengths must be an integer array of "
+       "shape \\(3,\\)"),
+      ("lengths_dtype", {}, dict(lengths=jnp.zeros((3,))), ValueError,
+       "key_value_seq_lengths must be an integer"),
+      ("paged", {}, dict(block_table=jnp.zeros((3, 4), jnp.int32)),
+       NotImplementedError, "paged caches"),
+      ("splits", {}, dict(num_splits=0), ValueError, "num_splits"),
+      ("implementation", {}, dict(implementation="cudnn"), ValueError,
+       "implementation must be one of"),
+      ("three_d", dict(batch=None), {}, ValueError, "decode_attention takes"),
+  )
+  def test_bad_input(self, shape, kwargs, error, message):
+    kwargs = dict(kwargs)
+    if shape.get("batch", 1) is None:
+      q = jnp.ones((2, 4, 32))
+      k = v = jnp.ones((96, 2, 32))
+    else:
+      q, k, v = _inputs(7, **shape)
+    lengths = kwargs.pop("lengths", jnp.full((3,), 5, jnp.int32))
+    with self.assertRaisesRegex(error, message):
+      jflash.decode_attention(q, k, v, lengths, **kwargs)
+
+
+if __name__ == "__main__":
+  absltest.main()
