@@ -130,6 +130,36 @@ class DecodeTest(parameterized.TestCase):
       with self.subTest(**{k: str(v)[:20] for k, v in kwargs.items()}):
         self._check(options, q, k, v, lengths, **kwargs)
 
+  @parameterized.product(implementation=IMPLEMENTATIONS,
+                         page_size=(16, 48, 64), num_tokens=(1, 5))
+  def test_paged_cache_equals_the_dense_one(self, implementation, page_size,
+                                            num_tokens):
+    # The dense caches cut into pages, stored in a shuffled order with
+    # spare pages in between; the block table maps them back.
+    q, k, v = _inputs(8, num_tokens=num_tokens, num_heads=8, num_kv_heads=2,
+                      kv_seq=192)
+    lengths = jnp.array([192, 70, 0], jnp.int32)
+    batch, kv_seq = k.shape[:2]
+    max_pages = kv_seq // page_size
+    num_pages = 2 * batch * max_pages
+    order = np.random.default_rng(page_size).permutation(num_pages)
+    block_table = order[:batch * max_pages].reshape(batch, max_pages)
+
+    def paged(cache):
+      pages = np.zeros((num_pages, page_size, *cache.shape[2:]),
+                       np.float32)
+      pages[block_table.reshape(-1)] = np.asarray(cache).reshape(
+          -1, page_size, *cache.shape[2:])
+      return jnp.asarray(pages)
+
+    kwargs = dict(local_window_size=(60, 0), alibi_slopes=jnp.full((8,), 0.1))
+    options = implementation[1]
+    out_paged = jflash.decode_attention(
+        q, paged(k), paged(v), lengths, block_table=jnp.asarray(block_table),
+        num_splits=3, **options, **kwargs)
+    out_dense = self._check(options, q, k, v, lengths, **kwargs)[0]
+    np.testing.assert_allclose(out_paged, out_dense, atol=2e-6, rtol=2e-6)
+
   def test_every_split_count_gives_the_same_result(self):
     q, k, v = _inputs(3, num_tokens=2)
     lengths = jnp.array([96, 40, 0], jnp.int32)
@@ -184,8 +214,14 @@ class DecodeTest(parameterized.TestCase):
        "shape \\(3,\\)"),
       ("lengths_dtype", {}, dict(lengths=jnp.zeros((3,))), ValueError,
        "key_value_seq_lengths must be an integer"),
-      ("paged", {}, dict(block_table=jnp.zeros((3, 4), jnp.int32)),
-       NotImplementedError, "paged caches"),
+      ("table_shape", {}, dict(block_table=jnp.zeros((2, 4), jnp.int32)),
+       ValueError, "block_table must be an integer array \\[batch, "
+       "max_pages\\] = \\[3, max_pages\\]"),
+      ("table_dtype", {}, dict(block_table=jnp.zeros((3, 4))), ValueError,
+       "block_table must be an integer array"),
+      ("page_size", dict(kv_seq=40), dict(block_table=jnp.zeros((3, 4),
+                                                                jnp.int32)),
+       ValueError, "page_size a multiple of 16"),
       ("splits", {}, dict(num_splits=0), ValueError, "num_splits"),
       ("implementation", {}, dict(implementation="cudnn"), ValueError,
        "implementation must be one of"),

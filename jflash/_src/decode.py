@@ -50,9 +50,14 @@ def _positions_mask(is_causal: bool, window) -> MaskSpec:
                   window=window)
 
 
+PAGE_MULTIPLE = 16
+
+
 def _check(query, key_cache, value_cache, lengths, block_table):
-  """ValueError for bad shapes, before anything runs."""
-  validation.check_operands(query, key_cache, value_cache)
+  """ValueError for bad shapes, before anything runs; returns the lengths
+  (int32) and the block table (int32, or None)."""
+  validation.check_operands(query, key_cache, value_cache,
+                            same_batch=block_table is None)
   if query.ndim != 4:
     raise ValueError("decode_attention takes query [batch, new_tokens, "
                      f"num_heads, head_dim]; got query.shape={query.shape}.")
@@ -64,10 +69,21 @@ def _check(query, key_cache, value_cache, lengths, block_table):
         "(prefill), use jflash.flash_attention with "
         "causal_alignment='bottom_right' and key_value_seq_lengths.")
   if block_table is not None:
-    raise NotImplementedError(
-        "decode_attention: paged caches (block_table) are not implemented "
-        "yet; pass dense caches [batch, cache_len, kv_heads, head_dim].")
-  if key_cache.shape[0] != batch:
+    block_table = jnp.asarray(block_table)
+    if (block_table.ndim != 2 or block_table.shape[0] != batch
+        or not jnp.issubdtype(block_table.dtype, jnp.integer)):
+      raise ValueError(
+          "block_table must be an integer array [batch, max_pages] = "
+          f"[{batch}, max_pages]; got shape {block_table.shape} and dtype "
+          f"{block_table.dtype}.")
+    page_size = key_cache.shape[1]
+    if page_size % PAGE_MULTIPLE:
+      raise ValueError(
+          f"with block_table, key_cache is [num_pages, page_size, kv_heads, "
+          f"head_dim] with page_size a multiple of {PAGE_MULTIPLE}; got "
+          f"key_cache.shape={key_cache.shape}.")
+    block_table = block_table.astype(jnp.int32)
+  elif key_cache.shape[0] != batch:
     raise ValueError(f"key_cache.shape[0]={key_cache.shape[0]} must equal "
                      f"the query's batch {batch}.")
   lengths = jnp.asarray(lengths)
@@ -76,7 +92,7 @@ def _check(query, key_cache, value_cache, lengths, block_table):
     raise ValueError(
         "key_value_seq_lengths must be an integer array of shape "
         f"({batch},); got shape {lengths.shape} and dtype {lengths.dtype}.")
-  return lengths.astype(jnp.int32)
+  return lengths.astype(jnp.int32), block_table
 
 
 def _pack(x, num_kv_heads: int, rows_padded: int):
@@ -128,9 +144,24 @@ def combine(out_parts, lse2_parts, sink2=None):
   return out, lse2
 
 
-def _xla_decode(query, key, value, lengths, sinks, slopes, *, mask, scale,
-                soft_cap):
+def _gather_pages(cache, block_table):
+  """[P, page_size, K, H] pages -> the dense [B, max_pages * page_size, K,
+  H] cache of each sequence (the XLA path's copy)."""
+  pages = cache[block_table]  # [B, max_pages, page_size, K, H].
+  return pages.reshape(block_table.shape[0], -1, *cache.shape[2:])
+
+
+def _page_tile(page_size: int) -> int:
+  """The kernel's key tile for a page size: the largest power of two that
+  divides it, at most BLOCK_K (a tile never straddles two pages)."""
+  return min(BLOCK_K, page_size & -page_size)
+
+
+def _xla_decode(query, key, value, lengths, block_table, sinks, slopes, *,
+                mask, scale, soft_cap):
   """The XLA path: [B, N, T, S] logits in float32 (stores the scores)."""
+  if block_table is not None:
+    key, value = (_gather_pages(x, block_table) for x in (key, value))
   batch, num_tokens, num_heads, _ = query.shape
   kv_seq, num_kv_heads = key.shape[1:3]
   group = num_heads // num_kv_heads
@@ -165,8 +196,8 @@ def _xla_decode(query, key, value, lengths, sinks, slopes, *, mask, scale,
   return out.astype(query.dtype), jnp.swapaxes(lse2, 1, 2)
 
 
-def _triton_decode(query, key, value, lengths, sinks, slopes, *, mask,
-                   scale, soft_cap, num_splits, interpret):
+def _triton_decode(query, key, value, lengths, block_table, sinks, slopes, *,
+                   mask, scale, soft_cap, num_splits, interpret):
   batch, num_tokens, num_heads, _ = query.shape
   num_kv_heads = key.shape[2]
   group = num_heads // num_kv_heads
@@ -177,9 +208,11 @@ def _triton_decode(query, key, value, lengths, sinks, slopes, *, mask,
       num_kv_heads, rows_padded)
   out_parts, lse2_parts = triton_decode.decode_call(
       _pack(query, num_kv_heads, rows_padded), key, value, lengths,
-      per_row(slopes), mask=mask, scale=scale, soft_cap=soft_cap,
-      num_tokens=num_tokens, group=group, num_splits=num_splits,
-      block_k=BLOCK_K, num_warps=4, num_stages=3, interpret=interpret)
+      per_row(slopes), block_table, mask=mask, scale=scale,
+      soft_cap=soft_cap, num_tokens=num_tokens, group=group,
+      num_splits=num_splits,
+      block_k=BLOCK_K if block_table is None else _page_tile(key.shape[1]),
+      num_warps=4, num_stages=3, interpret=interpret)
   sink2 = per_row(None if sinks is None else sinks * numerics.LOG2_E)
   out, lse2 = combine(out_parts, lse2_parts, sink2)
   return (_unpack(out, num_tokens, num_heads).astype(query.dtype),
@@ -224,9 +257,15 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
 
   Args:
     query: [B, T, N, H], T in 1..16.
-    key_cache, value_cache: [B, S, K, H].
-    key_value_seq_lengths: int [B], valid entries, in [0, S].
-    block_table: paged caches: not implemented yet (NotImplementedError).
+    key_cache, value_cache: dense [B, S, K, H]; or, with `block_table`,
+      pages [num_pages, page_size, K, H], page_size a multiple of 16.
+    key_value_seq_lengths: int [B], valid entries, in [0, S] (paged: S =
+      max_pages * page_size).
+    block_table: int [B, max_pages]: sequence b's cache position p lives
+      in page block_table[b, p // page_size] at row p % page_size. Page ids
+      are not checked when the call runs: an id outside [0, num_pages) for
+      a position below the length is undefined behaviour (as in
+      FlashAttention); entries past a sequence's length are never read.
     scale: logit scale; default 1 / sqrt(H).
     is_causal: as above.
     local_window_size: (left, right) or one int: token t sees positions
@@ -249,16 +288,18 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
     out [B, T, N, H] in query's dtype; with return_residuals, (out, lse).
 
   Raises:
-    ValueError: bad shapes, dtypes, lengths, T > 16 (with a hint), bad
-      options.
-    NotImplementedError: paged caches (for now); differentiating it.
+    ValueError: bad shapes, dtypes, lengths, block table or page size,
+      T > 16 (with a hint), bad options.
+    NotImplementedError: when differentiated.
   """
   query, key_cache, value_cache = (
       jnp.asarray(x) for x in (query, key_cache, value_cache))
-  lengths = _check(query, key_cache, value_cache, key_value_seq_lengths,
-                   block_table)
+  lengths, block_table = _check(query, key_cache, value_cache,
+                                key_value_seq_lengths, block_table)
   batch, num_tokens, num_heads, head_dim = query.shape
   kv_seq = key_cache.shape[1]
+  if block_table is not None:
+    kv_seq *= block_table.shape[1]  # Pages per sequence x page size.
   is_causal = validation.check_bool(is_causal, "is_causal")
   interpret = validation.check_bool(interpret, "interpret")
   window = validation.check_window(local_window_size)
@@ -290,7 +331,7 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
     run = functools.partial(_xla_decode, **options)
   out, lse2 = _forward_only(
       lambda *arrays: run(*arrays), query, key_cache, value_cache, lengths,
-      sinks, slopes)
+      block_table, sinks, slopes)
   if not return_residuals:
     return out
   return out, jnp.where(jnp.isinf(lse2), -jnp.inf, lse2 * math.log(2.0))

@@ -15,8 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def check_operands(query, key, value):
-  """Validates q, k, v: ranks, shapes, the GQA head ratio, one dtype."""
+def check_operands(query, key, value, *, same_batch: bool = True):
+  """Validates q, k, v: ranks, shapes, the GQA head ratio, one dtype.
+
+  `same_batch=False`: k/v's leading axis is not the batch (paged caches).
+  """
   shapes = f"query.shape={query.shape}, key.shape={key.shape}, " \
            f"value.shape={value.shape}"
   if query.ndim not in (3, 4) or key.ndim != query.ndim or \
@@ -26,7 +29,7 @@ def check_operands(query, key, value):
         f"head_dim] or all 3-D [seq_len, num_heads, head_dim]; got {shapes}.")
   if key.shape != value.shape:
     raise ValueError(f"key and value must have the same shape; got {shapes}.")
-  if query.ndim == 4 and query.shape[0] != key.shape[0]:
+  if same_batch and query.ndim == 4 and query.shape[0] != key.shape[0]:
     raise ValueError(f"query and key must have the same batch size; got "
                      f"{shapes}.")
   if query.shape[-1] != key.shape[-1]:

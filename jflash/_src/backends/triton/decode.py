@@ -36,13 +36,41 @@ from jflash._src.backends.triton import tiles
 from jflash._src.spec import MaskSpec
 
 
-def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, slopes_ref, o_ref,
-                  lse_ref, *, mask: MaskSpec, scale: float,
+def _dense_tile(ref, k_start, *, block_k: int, head_dim: int, batch,
+                table_ref=None):
+  """Key/value rows [k_start, k_start + block_k) of a dense [S, H_p] ref
+  (rows past S read 0)."""
+  del batch, table_ref
+  return tiles.load_tile(ref, k_start, block_k, seq_len=ref.shape[0],
+                         head_dim=head_dim)
+
+
+def _paged_tile(ref, k_start, *, block_k: int, head_dim: int, batch,
+                table_ref):
+  """The same rows of a paged cache: ref [P, page_size, H_p] of one kv
+  head, table_ref [B, max_pages] (page ids, not checked). block_k divides
+  the page size, so a tile never straddles two pages."""
+  page_size = ref.shape[1]
+  page = plgpu.load(table_ref.at[batch, lax.div(k_start, page_size)])
+  start = lax.rem(k_start, page_size)
+  head_dim_p = ref.shape[-1]
+  idx = (page, pl.ds(start, block_k), slice(None))
+  if head_dim == head_dim_p:
+    return plgpu.load(ref.at[idx])
+  columns = jnp.arange(head_dim_p, dtype=jnp.int32) < head_dim
+  return plgpu.load(ref.at[idx], other=0.0, mask=jnp.broadcast_to(
+      columns[None, :], (block_k, head_dim_p)))
+
+
+def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, slopes_ref,
+                  o_ref, lse_ref, *, mask: MaskSpec, scale: float,
                   soft_cap: float | None, block_k: int, head_dim: int,
                   num_tokens: int, group: int, num_splits: int):
   split, batch = pl.program_id(0), pl.program_id(1)
   rows_padded = q_ref.shape[0]
-  kv_seq = k_ref.shape[0]
+  load_tile = functools.partial(
+      _dense_tile if table_ref is None else _paged_tile, block_k=block_k,
+      head_dim=head_dim, batch=batch, table_ref=table_ref)
   kv_len = plgpu.load(lengths_ref.at[batch])
   offset = kv_len - num_tokens  # Token t sits at position L - T + t.
   tokens = (jnp.arange(rows_padded, dtype=jnp.int32) // group)[:, None]
@@ -65,10 +93,7 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, slopes_ref, o_ref,
   def step(k_tile_index, carry):
     acc, row_max, row_sum = carry
     k_start = k_tile_index * block_k
-    k = tiles.load_tile(k_ref, k_start, block_k, seq_len=kv_seq,
-                        head_dim=head_dim)
-    v = tiles.load_tile(v_ref, k_start, block_k, seq_len=kv_seq,
-                        head_dim=head_dim)
+    k, v = load_tile(k_ref, k_start), load_tile(v_ref, k_start)
     logits, _ = numerics.logits_base2(tiles.matmul(q, k, trans_b=True),
                                       scale=scale, soft_cap=soft_cap)
     cols = numerics.tile_columns(k_start, block_k)
@@ -99,7 +124,8 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, slopes_ref, o_ref,
   tiles.store_row_stats(lse_ref, 0, lse, seq_len=rows_padded)
 
 
-def decode_call(q_packed, key, value, lengths, slopes, *, mask: MaskSpec,
+def decode_call(q_packed, key, value, lengths, slopes, block_table=None, *,
+                mask: MaskSpec,
                 scale: float, soft_cap: float | None, num_tokens: int,
                 group: int, num_splits: int, block_k: int, num_warps: int,
                 num_stages: int, interpret: bool):
@@ -108,13 +134,16 @@ def decode_call(q_packed, key, value, lengths, slopes, *, mask: MaskSpec,
   Args:
     q_packed: [B, K, M, H], M >= T * g rows (row r: token r // g, query
       head kv * g + r % g; rows past T * g are padding).
-    key, value: dense caches [B, S, K, H].
+    key, value: dense caches [B, S, K, H], or with `block_table` paged
+      caches [P, page_size, K, H].
     lengths: int32 [B], valid cache entries including the T new tokens.
     slopes: float32 [B, K, M] ALiBi slopes per row (natural units), or None.
+    block_table: int32 [B, max_pages] page ids of each sequence, or None.
     mask: MaskSpec(bottom_right causal or not, window, has_lengths=True).
     scale, soft_cap: as flash_attention's.
     num_tokens, group: T and g.
-    num_splits, block_k, num_warps, num_stages: launch configuration.
+    num_splits, block_k, num_warps, num_stages: launch configuration
+      (with pages, block_k divides the page size).
     interpret: run through the Pallas interpreter.
 
   Returns:
@@ -122,32 +151,39 @@ def decode_call(q_packed, key, value, lengths, slopes, *, mask: MaskSpec,
     rows that see nothing in a split have lse2 = -inf and out = 0.
   """
   batch, num_kv_heads, rows_padded, head_dim = q_packed.shape
-  kv_seq = key.shape[1]
   head_dim_p = tiles.head_dim_padded(head_dim)
   q_spec = pl.BlockSpec((None, None, rows_padded, head_dim_p),
                         lambda s, b, h: (b, h, 0, 0))
-  kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
-                         lambda s, b, h: (b, 0, h, 0))
+  if block_table is None:  # Each program: its (batch, kv head)'s [S, H_p].
+    kv_spec = pl.BlockSpec((None, key.shape[1], None, head_dim_p),
+                           lambda s, b, h: (b, 0, h, 0))
+  else:  # Each program: every page of its kv head, [P, page_size, H_p].
+    kv_spec = pl.BlockSpec((*key.shape[:2], None, head_dim_p),
+                           lambda s, b, h: (0, 0, h, 0))
   kernel = functools.partial(
       decode_kernel, mask=mask, scale=scale, soft_cap=soft_cap,
       block_k=block_k, head_dim=head_dim, num_tokens=num_tokens,
       group=group, num_splits=num_splits)
-  in_specs = [q_spec, kv_spec, kv_spec,
-              pl.BlockSpec((batch,), lambda s, b, h: (0,))]
-  args = [q_packed, key, value, lengths]
-  if slopes is not None:
-    in_specs.append(pl.BlockSpec((None, None, rows_padded),
-                                 lambda s, b, h: (b, h, 0)))
-    args.append(slopes)
-  else:
-    kernel = functools.partial(kernel, slopes_ref=None)
+  whole = lambda x: pl.BlockSpec(x.shape, lambda s, b, h: (0,) * x.ndim)
+  optional = {
+      "table_ref": (block_table, None if block_table is None
+                    else whole(block_table)),
+      "slopes_ref": (slopes, pl.BlockSpec((None, None, rows_padded),
+                                          lambda s, b, h: (b, h, 0))),
+  }
+  present = [name for name, (array, _) in optional.items()
+             if array is not None]
+  in_specs = [q_spec, kv_spec, kv_spec, whole(lengths),
+              *(optional[name][1] for name in present)]
+  args = [q_packed, key, value, lengths,
+          *(optional[name][0] for name in present)]
 
-  def body(*refs):
-    if slopes is None:
-      q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref = refs
-      kernel(q_ref, k_ref, v_ref, len_ref, o_ref=o_ref, lse_ref=lse_ref)
-    else:
-      kernel(*refs)
+  def body(q_ref, k_ref, v_ref, lengths_ref, *refs):
+    named = {name: None for name in optional}
+    named.update(zip(present, refs[:len(present)]))
+    o_ref, lse_ref = refs[len(present):]
+    kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref=o_ref, lse_ref=lse_ref,
+           **named)
 
   parts = (num_splits, batch, num_kv_heads, rows_padded)
   return pl.pallas_call(
