@@ -11,14 +11,13 @@ and 16).
 """
 
 import argparse
-import statistics
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import run as bench
 import jflash
 
 # B, S, query heads, kv heads (the issue's table).
@@ -28,16 +27,9 @@ HEAD_DIM = 128
 
 
 def median_seconds(fn, args, repeats=20, iters=10):
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / iters)
-  return statistics.median(times)
+  """Median per-call seconds after warm-up (benchmarks/run.py's timer)."""
+  return bench.time_step(fn, args, warmup=2, repeats=repeats,
+                         iters=iters)[1]
 
 
 def copy_bandwidth() -> float:
