@@ -1,4 +1,4 @@
-"""Examples 2 and 3 run with tiny settings, and show what they claim."""
+"""Examples 2, 3 and 4 run with tiny settings, and show what they claim."""
 
 import contextlib
 import importlib.util
@@ -88,6 +88,20 @@ class LongContextExampleTest(absltest.TestCase):
     # Flash attention never stores the [N, N] matrix; XLA's path does.
     self.assertLess(largest["jflash"]["bytes"], largest["xla"]["bytes"],
                     msg=text)
+
+
+class GeneratePagedExampleTest(absltest.TestCase):
+
+  def test_paged_dense_and_jax_nn_agree_and_every_page_returns(self):
+    # Tiny sizes; off a GPU jflash's XLA path (tests/decode_test.py runs
+    # the kernel's paged path through the interpreter).
+    result, text = run_main(load_example("generate_paged"), ["--tiny"])
+    for name in ("paged jflash", "dense jflash"):
+      self.assertLess(result[name]["relative_error"], 1e-5, msg=text)
+      self.assertGreater(result[name]["tokens_per_s"], 0.0)
+    free, total = result["pages"]
+    self.assertEqual(free, total, msg=text)
+    self.assertIn("generated tokens/s", text)
 
 
 if __name__ == "__main__":
