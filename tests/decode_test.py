@@ -239,5 +239,60 @@ class DecodeTest(parameterized.TestCase):
       jflash.decode_attention(q, k, v, lengths, **kwargs)
 
 
+class FlashAttentionDecodeBackendTest(parameterized.TestCase):
+  """flash_attention(implementation="decode"): the split-K kernel with
+  flash_attention's semantics, against the Triton training kernel."""
+
+  def setUp(self):
+    super().setUp()
+    self.enter_context(mock.patch.object(decode, "BLOCK_K", 16))
+
+  @parameterized.named_parameters(
+      ("causal_top_left", dict(is_causal=True)),
+      ("bottom_right_lengths", dict(
+          is_causal=True, causal_alignment="bottom_right",
+          query_seq_lengths=jnp.array([3, 1, 0]),
+          key_value_seq_lengths=jnp.array([96, 40, 7]))),
+      ("window_soft_cap_sinks", dict(
+          local_window_size=(8, 4), logits_soft_cap=4.0,
+          sinks=jnp.linspace(-1.0, 1.0, 8))),
+      ("alibi_bottom_right", dict(
+          is_causal=True, causal_alignment="bottom_right",
+          alibi_slopes=jnp.linspace(0.1, 0.8, 8))),
+  )
+  def test_same_as_the_training_kernel(self, options):
+    q, k, v = _inputs(9, num_tokens=3, num_heads=8, num_kv_heads=2)
+    kernels = dict(interpret=test_util.INTERPRET, return_residual=True,
+                   residual_dtype=jnp.float32, **options)
+    ours = jflash.flash_attention(q, k, v, implementation="decode",
+                                  **kernels)
+    expected = jflash.flash_attention(q, k, v, implementation="triton",
+                                      **kernels)
+    for x, y in zip(ours, expected):
+      np.testing.assert_array_equal(np.isinf(x), np.isinf(y))
+      np.testing.assert_allclose(np.where(np.isinf(y), 0, x),
+                                 np.where(np.isinf(y), 0, y), atol=2e-5,
+                                 rtol=2e-5)
+
+  def test_forward_only_and_its_limits(self):
+    q, k, v = _inputs(10, num_tokens=2)
+    run = lambda q, **kw: jflash.flash_attention(
+        q, k, v, implementation="decode", interpret=test_util.INTERPRET,
+        **kw)
+    with self.assertRaisesRegex(NotImplementedError, "decode has no "
+                                "backward pass"):
+      jax.grad(lambda q: run(q).sum())(q)
+    q17 = jnp.ones((3, 17, 4, 32))
+    with self.assertRaisesRegex(NotImplementedError, "decode takes at most "
+                                "16 query rows per sequence; got q_len=17"):
+      run(q17)
+    wide = jnp.ones((1, 16, 32, 8))
+    kv = jnp.ones((1, 40, 2, 8))
+    with self.assertRaisesRegex(NotImplementedError, "at most 128 query "
+                                "rows per kv head .* 16 x 16 = 256"):
+      jflash.flash_attention(wide, kv, kv, implementation="decode",
+                             interpret=test_util.INTERPRET)
+
+
 if __name__ == "__main__":
   absltest.main()

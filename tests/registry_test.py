@@ -35,7 +35,11 @@ class RegistryTest(absltest.TestCase):
 
   def test_implementations_lists_every_backend(self):
     listing = {b["name"]: b for b in jflash.implementations()}
-    self.assertEqual(list(listing), ["mosaic", "triton", "xla", "cudnn"])
+    self.assertEqual(list(listing),
+                     ["mosaic", "decode", "triton", "xla", "cudnn"])
+    self.assertTrue(listing["decode"]["named_only"])
+    self.assertEqual(listing["decode"]["passes"], ["forward"])
+    self.assertEqual(listing["decode"]["max_q_len"], 16)
     triton, xla, cudnn = listing["triton"], listing["xla"], listing["cudnn"]
     mosaic = listing["mosaic"]
     self.assertEqual(triton["available"], test_util.ON_GPU)

@@ -197,7 +197,10 @@ def _xla_decode(query, key, value, lengths, block_table, sinks, slopes, *,
 
 
 def _triton_decode(query, key, value, lengths, block_table, sinks, slopes, *,
-                   mask, scale, soft_cap, num_splits, interpret):
+                   mask, scale, soft_cap, num_splits, interpret,
+                   positions_from_end=True, q_lengths=None):
+  """The split-K kernel and the combine: (out [B, T, N, H], lse2 [B, T, N],
+  -inf for rows that see nothing and have no sink)."""
   batch, num_tokens, num_heads, _ = query.shape
   num_kv_heads = key.shape[2]
   group = num_heads // num_kv_heads
@@ -208,11 +211,12 @@ def _triton_decode(query, key, value, lengths, block_table, sinks, slopes, *,
       num_kv_heads, rows_padded)
   out_parts, lse2_parts = triton_decode.decode_call(
       _pack(query, num_kv_heads, rows_padded), key, value, lengths,
-      per_row(slopes), block_table, mask=mask, scale=scale,
+      per_row(slopes), block_table, q_lengths, mask=mask, scale=scale,
       soft_cap=soft_cap, num_tokens=num_tokens, group=group,
       num_splits=num_splits,
       block_k=BLOCK_K if block_table is None else _page_tile(key.shape[1]),
-      num_warps=4, num_stages=3, interpret=interpret)
+      num_warps=4, num_stages=3, interpret=interpret,
+      positions_from_end=positions_from_end)
   sink2 = per_row(None if sinks is None else sinks * numerics.LOG2_E)
   out, lse2 = combine(out_parts, lse2_parts, sink2)
   return (_unpack(out, num_tokens, num_heads).astype(query.dtype),

@@ -82,6 +82,9 @@ class Capabilities:
       `max_head_dim`.
     compute_capabilities: on CUDA, the compute capabilities it runs on
       (e.g. "9.0" for Hopper), or None for any.
+    max_q_len: the most query rows per sequence it takes, or None.
+    max_rows_per_kv_head: the most query rows per kv head (q_len x GQA
+      group) it takes, or None.
   """
 
   passes: frozenset[str]
@@ -96,6 +99,8 @@ class Capabilities:
   named_only: bool = False
   head_dims: frozenset[int] | None = None
   compute_capabilities: frozenset[str] | None = None
+  max_q_len: int | None = None
+  max_rows_per_kv_head: int | None = None
 
   def describe(self) -> dict[str, Any]:
     """A plain-data summary for users (`jflash.implementations()`)."""
@@ -118,6 +123,8 @@ class Capabilities:
             self.head_dims),
         "compute_capabilities": None if self.compute_capabilities is None
         else sorted(self.compute_capabilities),
+        "max_q_len": self.max_q_len,
+        "max_rows_per_kv_head": self.max_rows_per_kv_head,
     }
 
 
@@ -229,6 +236,15 @@ def unsupported_reason(backend: Backend, spec: CallSpec, pass_: str,
     return (f"{name} supports head_dim in "
             f"{{{', '.join(map(str, sorted(caps.head_dims)))}}}; got "
             f"head_dim={spec.head_dim}.")
+  if caps.max_q_len is not None and spec.q_len > caps.max_q_len:
+    return (f"{name} takes at most {caps.max_q_len} query rows per "
+            f"sequence; got q_len={spec.q_len}.")
+  rows = spec.q_len * spec.group
+  if (caps.max_rows_per_kv_head is not None
+      and rows > caps.max_rows_per_kv_head):
+    return (f"{name} takes at most {caps.max_rows_per_kv_head} query rows "
+            f"per kv head (q_len x group); got {spec.q_len} x "
+            f"{spec.group} = {rows}.")
   masks, opts = call_features(spec)
   missing = sorted((masks - caps.mask_features) | (opts - caps.options))
   if missing:

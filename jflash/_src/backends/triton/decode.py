@@ -62,17 +62,25 @@ def _paged_tile(ref, k_start, *, block_k: int, head_dim: int, batch,
       columns[None, :], (block_k, head_dim_p)))
 
 
-def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, slopes_ref,
-                  o_ref, lse_ref, *, mask: MaskSpec, scale: float,
+def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
+                  slopes_ref, o_ref, lse_ref, *, mask: MaskSpec, scale: float,
                   soft_cap: float | None, block_k: int, head_dim: int,
-                  num_tokens: int, group: int, num_splits: int):
+                  num_tokens: int, group: int, num_splits: int,
+                  positions_from_end: bool):
   split, batch = pl.program_id(0), pl.program_id(1)
   rows_padded = q_ref.shape[0]
   load_tile = functools.partial(
       _dense_tile if table_ref is None else _paged_tile, block_k=block_k,
       head_dim=head_dim, batch=batch, table_ref=table_ref)
   kv_len = plgpu.load(lengths_ref.at[batch])
-  offset = kv_len - num_tokens  # Token t sits at position L - T + t.
+  # Where token t sits: decode_attention puts it at L - T + t (q_len = T);
+  # flash_attention's convention is masks.causal_offset's, with the
+  # sequence's own query length.
+  q_len = plgpu.load(q_lengths_ref.at[batch])
+  if positions_from_end:
+    offset = kv_len - q_len
+  else:
+    offset = masks.causal_offset(mask, q_len, kv_len)
   tokens = (jnp.arange(rows_padded, dtype=jnp.int32) // group)[:, None]
 
   # The key tiles any token sees, cut into num_splits chunks.
@@ -124,11 +132,12 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, table_ref, slopes_ref,
   tiles.store_row_stats(lse_ref, 0, lse, seq_len=rows_padded)
 
 
-def decode_call(q_packed, key, value, lengths, slopes, block_table=None, *,
-                mask: MaskSpec,
+def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
+                q_lengths=None, *, mask: MaskSpec,
                 scale: float, soft_cap: float | None, num_tokens: int,
                 group: int, num_splits: int, block_k: int, num_warps: int,
-                num_stages: int, interpret: bool):
+                num_stages: int, interpret: bool,
+                positions_from_end: bool = True):
   """The split partials of decode attention.
 
   Args:
@@ -139,12 +148,18 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None, *,
     lengths: int32 [B], valid cache entries including the T new tokens.
     slopes: float32 [B, K, M] ALiBi slopes per row (natural units), or None.
     block_table: int32 [B, max_pages] page ids of each sequence, or None.
+    q_lengths: int32 [B] query rows per sequence for the positions (the
+      offsets below); None: T.
     mask: MaskSpec(bottom_right causal or not, window, has_lengths=True).
     scale, soft_cap: as flash_attention's.
     num_tokens, group: T and g.
     num_splits, block_k, num_warps, num_stages: launch configuration
       (with pages, block_k divides the page size).
     interpret: run through the Pallas interpreter.
+    positions_from_end: token t sits at position L - q_len + t, for the
+      window and ALiBi too (decode_attention); False: flash_attention's
+      offsets (`masks.causal_offset`: L - q_len only for bottom-right
+      causal).
 
   Returns:
     (out float32 [P, B, K, M, H], lse2 float32 [P, B, K, M]) per split P;
@@ -163,7 +178,8 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None, *,
   kernel = functools.partial(
       decode_kernel, mask=mask, scale=scale, soft_cap=soft_cap,
       block_k=block_k, head_dim=head_dim, num_tokens=num_tokens,
-      group=group, num_splits=num_splits)
+      group=group, num_splits=num_splits,
+      positions_from_end=positions_from_end)
   whole = lambda x: pl.BlockSpec(x.shape, lambda s, b, h: (0,) * x.ndim)
   optional = {
       "table_ref": (block_table, None if block_table is None
@@ -173,17 +189,19 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None, *,
   }
   present = [name for name, (array, _) in optional.items()
              if array is not None]
-  in_specs = [q_spec, kv_spec, kv_spec, whole(lengths),
+  if q_lengths is None:
+    q_lengths = jnp.full((batch,), num_tokens, jnp.int32)
+  in_specs = [q_spec, kv_spec, kv_spec, whole(lengths), whole(q_lengths),
               *(optional[name][1] for name in present)]
-  args = [q_packed, key, value, lengths,
+  args = [q_packed, key, value, lengths, q_lengths,
           *(optional[name][0] for name in present)]
 
-  def body(q_ref, k_ref, v_ref, lengths_ref, *refs):
+  def body(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, *refs):
     named = {name: None for name in optional}
     named.update(zip(present, refs[:len(present)]))
     o_ref, lse_ref = refs[len(present):]
-    kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref=o_ref, lse_ref=lse_ref,
-           **named)
+    kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, o_ref=o_ref,
+           lse_ref=lse_ref, **named)
 
   parts = (num_splits, batch, num_kv_heads, rows_padded)
   return pl.pallas_call(

@@ -1,0 +1,78 @@
+"""The "decode" backend: flash_attention calls with few query rows per kv
+head (generation: 1-16 new tokens per sequence) on the split-K kernel of
+decode.py, with flash_attention's semantics (masks.py offsets, q lengths,
+the residual format). Forward only: the backward of such a call is chosen
+separately (the Triton kernels).
+
+It is `named_only` until it is measured on a GPU against the training
+kernel it would replace (WORKSPACE_NOTES.md, issue 12): then
+`implementation=None` will choose it for the calls it covers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from jflash._src import decode
+from jflash._src import registry
+from jflash._src.spec import CallSpec
+from jflash._src.spec import Operands
+
+CAPABILITIES = registry.Capabilities(
+    passes=frozenset({registry.FORWARD}),
+    dtypes=("float32", "bfloat16", "float16"),
+    max_head_dim=256,
+    mask_features=frozenset({"causal", "bottom_right", "window", "lengths"}),
+    options=frozenset({"soft_cap", "sinks", "alibi", "return_lse"}),
+    platforms=frozenset({"cuda"}),
+    interpretable=True,
+    named_only=True,
+    max_q_len=decode.MAX_NEW_TOKENS,
+    max_rows_per_kv_head=128,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Splits per (sequence, kv head) and the interpreter flag."""
+
+  num_splits: int
+  interpret: bool = False
+
+
+def configure(spec: CallSpec, options: dict[str, Any]) -> DecodeConfig:
+  return DecodeConfig(
+      num_splits=decode.default_num_splits(spec.batch, spec.num_kv_heads,
+                                           spec.kv_len),
+      interpret=bool(options.get("interpret", False)))
+
+
+def forward(spec: CallSpec, config: DecodeConfig, operands: Operands):
+  """(out, lse2 [B, N, T], +inf for rows without keys), as every forward."""
+  q_lengths, kv_lengths = operands.lengths()
+  out, lse2 = decode._triton_decode(  # pylint: disable=protected-access
+      operands.query, operands.key, operands.value, kv_lengths, None,
+      operands.sinks, operands.alibi_slopes, mask=spec.mask,
+      scale=spec.scale, soft_cap=spec.logits_soft_cap,
+      num_splits=config.num_splits, interpret=config.interpret,
+      positions_from_end=False, q_lengths=q_lengths)
+  # Rows past q_len see nothing (flash_attention's lengths).
+  valid = jnp.arange(out.shape[1])[None, :] < q_lengths[:, None]
+  out = jnp.where(valid[:, :, None, None], out, 0).astype(out.dtype)
+  lse2 = jnp.where(valid[:, :, None], lse2, -jnp.inf)
+  # The residual format: +inf, not -inf, for rows without keys (p = 0).
+  lse2 = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)
+  return out, jnp.swapaxes(lse2, 1, 2)
+
+
+BACKEND = registry.Backend(
+    name="decode",
+    capabilities=CAPABILITIES,
+    option_names=frozenset({"interpret"}),
+    configure=configure,
+    forward=forward,
+    backward=None,
+)
