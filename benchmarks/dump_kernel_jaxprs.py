@@ -17,6 +17,11 @@ writes the whole jaxpr instead.
   ... change ...
   PYTHONPATH=. python3 benchmarks/dump_kernel_jaxprs.py /tmp/after.txt
   cmp /tmp/before.txt /tmp/after.txt
+
+`--mosaic` writes the Mosaic GPU kernels' instead: the jaxprs of the
+backend's forward and backward functions (the kernel bodies included;
+traced on CPU, nothing lowered), for head dims 64/128/256 under three
+masks.
 """
 
 import argparse
@@ -102,7 +107,57 @@ def _describe(eqn) -> str:
   ])
 
 
-def main(path: str, full: bool) -> None:
+def _mosaic_texts():
+  """The Mosaic backend's forward and backward jaxprs, per configuration."""
+  # pylint: disable=g-import-not-at-top
+  from jflash._src.backends.mosaic import backend as mosaic
+  from jflash._src.spec import CallSpec, MaskSpec, ModifierSpec, Operands
+  texts = []
+  batch, q_len, kv_len, heads, kv_heads = 2, 520, 392, 8, 4
+  masks = (
+      (MaskSpec(is_causal=False, has_lengths=False), None, False),
+      (MaskSpec(is_causal=True, has_lengths=True), 20.0, False),
+      (MaskSpec(is_causal=True, has_lengths=False, bottom_right=True,
+                window=(50, 0)), None, True))
+  for head_dim, (mask, soft_cap, sinks) in itertools.product(
+      (64, 128, 256), masks):
+    spec = CallSpec(batch=batch, q_len=q_len, kv_len=kv_len,
+                    num_heads=heads, num_kv_heads=kv_heads,
+                    head_dim=head_dim, dtype="bfloat16",
+                    scale=head_dim ** -0.5, mask=mask,
+                    logits_soft_cap=soft_cap,
+                    modifiers=ModifierSpec(has_sinks=sinks))
+    config = mosaic.configure(spec, {})
+    q = jnp.ones((batch, q_len, heads, head_dim), jnp.bfloat16)
+    k = jnp.ones((batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
+    lengths = jnp.array([500, 7], jnp.int32)
+    extra = jnp.zeros((batch, heads), jnp.float32)
+
+    def operands(q, k, v, lengths, sinks_value, mask=mask, sinks=sinks):
+      ops = Operands(q, k, v, sinks=sinks_value if sinks else None)
+      if mask.has_lengths:
+        ops = ops.replace(q_lengths=lengths, kv_lengths=lengths)
+      return ops
+
+    forward = lambda *a, spec=spec, config=config: mosaic.forward(
+        spec, config, operands(*a))
+    out, lse2 = jax.eval_shape(forward, q, k, k, lengths, extra)
+    backward = lambda *a, spec=spec, config=config: mosaic.backward(
+        spec, config, operands(*a[:5]), *a[5:], None)
+    label = f"== mosaic D={head_dim} {mask} soft_cap={soft_cap} sinks={sinks}"
+    texts.append(f"{label} forward\n"
+                 f"{jax.make_jaxpr(forward)(q, k, k, lengths, extra)}")
+    texts.append(f"{label} backward\n" + str(jax.make_jaxpr(backward)(
+        q, k, k, lengths, extra, jnp.ones(out.shape, out.dtype),
+        jnp.ones(lse2.shape), q)))
+  return texts
+
+
+def main(path: str, full: bool, mosaic: bool = False) -> None:
+  if mosaic:
+    with open(path, "w") as f:
+      f.write("\n\n".join(_mosaic_texts()))
+    return
   texts = []
   for label, shape, is_causal, kwargs in _options():
     q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype = shape
@@ -128,5 +183,7 @@ if __name__ == "__main__":
   parser.add_argument("path")
   parser.add_argument("--full", action="store_true",
                       help="the whole jaxpr, not only the kernels")
+  parser.add_argument("--mosaic", action="store_true",
+                      help="the Mosaic GPU kernels' jaxprs instead")
   args = parser.parse_args()
-  main(args.path, args.full)
+  main(args.path, args.full, args.mosaic)

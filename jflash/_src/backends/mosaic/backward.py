@@ -136,12 +136,10 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   dtype = q_ref.dtype
   block_rows = row_groups * block_q
 
-  wg = lax.axis_index("wg")
-  block = pipeline.query_block(mask, q_lengths_ref, kv_lengths_ref,
-                               q_seq=q_seq, kv_seq=kv_seq,
-                               block_rows=block_rows, block_kv=block_kv)
-  (batch, head, block_start, q_len, kv_len, offset, steps_lo,
-   steps_hi) = block
+  (batch, head, wg, block_start, q_len, kv_len, offset, steps_lo,
+   steps_hi) = pipeline.query_block(
+       mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
+       block_rows=block_rows, block_kv=block_kv)
 
   slot_of = functools.partial(pipeline.slot_of, lo=steps_lo, stages=stages)
 
@@ -396,7 +394,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
       load_rows(kv_head * group + lax.div(step, per_head),
                 (tiles_lo + lax.rem(step, per_head)) * block_q, slot)
 
-    pipeline.produce(load, jnp.int32(0), num_steps, stages, (consumed,))
+    pipeline.produce(load, 0, num_steps, stages, (consumed,))
 
 
 def _launch(kernel, scratch, *, out_type, grid, grid_names, args):

@@ -87,12 +87,10 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
   dtype = q_ref.dtype
   block_rows = COMPUTE_WARPGROUPS * block_q
 
-  wg = lax.axis_index("wg")
-  block = pipeline.query_block(mask, q_lengths_ref, kv_lengths_ref,
-                               q_seq=q_seq, kv_seq=kv_seq,
-                               block_rows=block_rows, block_kv=block_kv)
-  (batch, head, block_start, q_len, kv_len, offset, steps_lo,
-   steps_hi) = block
+  (batch, head, wg, block_start, q_len, kv_len, offset, steps_lo,
+   steps_hi) = pipeline.query_block(
+       mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
+       block_rows=block_rows, block_kv=block_kv)
 
   slot_of = functools.partial(pipeline.slot_of, lo=steps_lo, stages=stages)
 

@@ -48,8 +48,10 @@ def consumer_runs(runs, lo, hi):
 
 
 def slot_of(step, lo, stages: int):
-  """The ring slot of step `step` of a range starting at `lo`."""
-  return lax.rem(step - lo, stages)
+  """The ring slot of step `step` of a range starting at `lo` (a traced
+  int32 scalar, or the Python int 0)."""
+  return lax.rem(step if isinstance(lo, int) and lo == 0 else step - lo,
+                 stages)
 
 
 def produce(load: Callable, lo, hi, stages: int, consumed: tuple):
@@ -57,15 +59,15 @@ def produce(load: Callable, lo, hi, stages: int, consumed: tuple):
 
   Args:
     load: issues the TMA copies of one step into one slot.
-    lo, hi: the steps (traced int32 scalars).
+    lo, hi: the steps: traced int32 scalars (lo may be the Python int 0).
     stages: the ring's slots.
     consumed: the "consumed" barrier arrays to wait on before refilling a
       slot (one per separately released buffer, e.g. K's and V's).
   """
   for i in range(stages):
-    pl.when(lo + i < hi)(functools.partial(load, lo + i, i))
+    pl.when(lo + i < hi)(functools.partial(load, as_int32(lo + i), i))
 
-  @pl.loop(lo + stages, hi)
+  @pl.loop(as_int32(lo + stages), hi)
   def _refill(step):
     slot = slot_of(step, lo, stages)
     for barriers in consumed:
@@ -130,11 +132,13 @@ def lengths(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, batch,
 
 
 class QueryBlock(NamedTuple):
-  """A block of query rows of the forward and dQ kernels, and the key
-  tiles [steps_lo, steps_hi) any of its rows visits (the producer's)."""
+  """A block of query rows of the forward and dQ kernels as one of its
+  warpgroups sees it, and the key tiles [steps_lo, steps_hi) any of its
+  rows visits (the producer's)."""
 
   batch: jax.Array
   head: jax.Array
+  warpgroup: jax.Array
   start: jax.Array
   q_len: jax.Array | int
   kv_len: jax.Array | int
@@ -147,8 +151,10 @@ def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
                 q_seq: int, kv_seq: int, block_rows: int,
                 block_kv: int) -> QueryBlock:
   """This block's position, lengths and key tiles (grid axes "q_tiles",
-  "heads", "batch")."""
+  "heads", "batch"; thread axis "wg")."""
   batch = lax.axis_index("batch")
+  head = lax.axis_index("heads")
+  warpgroup = lax.axis_index("wg")
   start = query_block_start(mask, q_seq, block_rows)
   q_len, kv_len = lengths(mask, q_lengths_ref, kv_lengths_ref, batch, q_seq,
                           kv_seq)
@@ -157,6 +163,6 @@ def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
                            offset).runs()
   steps_lo = as_int32(union[0][0])
   steps_hi = jnp.maximum(as_int32(union[-1][1]), steps_lo)
-  return QueryBlock(batch=batch, head=lax.axis_index("heads"), start=start,
-                    q_len=q_len, kv_len=kv_len, offset=offset,
+  return QueryBlock(batch=batch, head=head, warpgroup=warpgroup,
+                    start=start, q_len=q_len, kv_len=kv_len, offset=offset,
                     steps_lo=steps_lo, steps_hi=steps_hi)
