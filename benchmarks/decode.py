@@ -51,7 +51,8 @@ def implementations(num_tokens):
   def pallas_gqa(q, k, v, lengths):
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", DeprecationWarning)
-      from jax.experimental.pallas.ops.gpu import decode_attention  # pylint: disable=g-import-not-at-top
+      # pylint: disable-next=g-import-not-at-top
+      from jax.experimental.pallas.ops.gpu import decode_attention
     return decode_attention.gqa(q[:, 0], k, v, kv_seq_len=lengths)[:, None]
 
   def jflash_dense(q, k, v, lengths):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jflash._src import masks
+from jflash._src import modifiers
 from jflash._src import numerics
 from jflash._src import platform
 from jflash._src import validation
@@ -196,9 +197,9 @@ def _xla_decode(query, key, value, lengths, block_table, sinks, slopes, *,
   return out.astype(query.dtype), jnp.swapaxes(lse2, 1, 2)
 
 
-def _triton_decode(query, key, value, lengths, block_table, sinks, slopes, *,
-                   mask, scale, soft_cap, num_splits, interpret,
-                   positions_from_end=True, q_lengths=None):
+def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
+                     *, mask, scale, soft_cap, num_splits, interpret,
+                     positions_from_end=True, q_lengths=None):
   """The split-K kernel and the combine: (out [B, T, N, H], lse2 [B, T, N],
   -inf for rows that see nothing and have no sink)."""
   batch, num_tokens, num_heads, _ = query.shape
@@ -312,9 +313,8 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
            else validation.check_static_float(scale, "scale"))
   sinks = validation.check_sinks(sinks, query.shape)
   slopes = validation.check_alibi_slopes(alibi_slopes, query.shape)
-  per_head = lambda x: None if x is None else jnp.broadcast_to(
-      jnp.asarray(x, jnp.float32), (batch, num_heads))
-  sinks, slopes = per_head(sinks), per_head(slopes)
+  sinks, slopes = (modifiers.per_head(x, batch, num_heads)
+                   for x in (sinks, slopes))
   if implementation is None:
     implementation = ("triton" if platform.cuda_gpu_available() or interpret
                       else "xla")
@@ -329,13 +329,12 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
   mask = _positions_mask(is_causal, window)
   options = dict(mask=mask, scale=scale, soft_cap=soft_cap)
   if implementation == "triton":
-    run = functools.partial(_triton_decode, num_splits=num_splits,
+    run = functools.partial(kernel_attention, num_splits=num_splits,
                             interpret=interpret, **options)
   else:
     run = functools.partial(_xla_decode, **options)
-  out, lse2 = _forward_only(
-      lambda *arrays: run(*arrays), query, key_cache, value_cache, lengths,
-      block_table, sinks, slopes)
+  out, lse2 = _forward_only(run, query, key_cache, value_cache, lengths,
+                            block_table, sinks, slopes)
   if not return_residuals:
     return out
   return out, jnp.where(jnp.isinf(lse2), -jnp.inf, lse2 * math.log(2.0))

@@ -397,22 +397,6 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     pipeline.produce(load, 0, num_steps, stages, (consumed,))
 
 
-def _launch(kernel, scratch, *, out_type, grid, grid_names, args):
-  def body(*refs):
-    pl.run_scoped(lambda *scoped: kernel(*refs, scoped), *scratch,
-                  collective_axes="wg")
-
-  return plgpu.kernel(
-      body,
-      out_type=out_type,
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=COMPUTE_WARPGROUPS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(*args)
-
-
 def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
                   kv_lengths, *, spec: CallSpec,
                   block_sizes: MosaicBlockSizes):
@@ -471,14 +455,14 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)),  # Done.
   )
-  dq = _launch(
+  dq = pipeline.launch(
       functools.partial(dq_kernel, block_q=block_q, block_kv=block_kv,
                         **common),
       dq_scratch,
       out_type=sharding.output_struct(query.shape, dtype, *args),
       grid=(pl.cdiv(q_seq, row_groups * block_q), num_heads, batch),
       grid_names=("q_tiles", "heads", "batch"),
-      args=args)
+      num_threads=COMPUTE_WARPGROUPS + 1, args=args)
 
   block_q, block_kv = block_sizes.block_q_dkv, block_sizes.block_kv_dkv
   dkv_scratch = (
@@ -492,12 +476,12 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)),  # Done.
   )
   kv_struct = sharding.output_struct(key.shape, dtype, *args)
-  dk, dv = _launch(
+  dk, dv = pipeline.launch(
       functools.partial(dkv_kernel, block_q=block_q, block_kv=block_kv,
                         **common),
       dkv_scratch,
       out_type=(kv_struct, kv_struct),
       grid=(pl.cdiv(kv_seq, row_groups * block_kv), num_kv_heads, batch),
       grid_names=("kv_tiles", "heads", "batch"),
-      args=args)
+      num_threads=COMPUTE_WARPGROUPS + 1, args=args)
   return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]

@@ -284,31 +284,27 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None, *,
       soft_cap=spec.logits_soft_cap, block_sizes=block_sizes,
       group=num_heads // num_kv_heads, q_seq=q_seq, kv_seq=kv_seq)
 
-  def body(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, *refs):
-    sinks_ref = refs[0] if sinks is not None else None
-    out_ref, lse_ref = refs[-2:]
-    pl.run_scoped(
-        lambda *scoped: kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,
-                               sinks_ref, out_ref, lse_ref, scoped),
-        *scratch, collective_axes="wg")
+  def with_optional_sinks(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,
+                          *refs):
+    *sinks_ref, out_ref, lse_ref, scoped = refs
+    kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,
+           sinks_ref[0] if sinks_ref else None, out_ref, lse_ref, scoped)
 
   num_tiles = pl.cdiv(q_seq, COMPUTE_WARPGROUPS * block_q)
   # The lse rows of the last tile are stored by a 1-D copy, which TMA
   # bounds by the whole array, not per row: past T they would land on the
   # next head's rows. Its array is padded to whole tiles instead.
   lse_seq = num_tiles * COMPUTE_WARPGROUPS * block_q
-  out, lse2 = plgpu.kernel(
-      body,
+  out, lse2 = pipeline.launch(
+      with_optional_sinks, scratch,
       out_type=(sharding.output_struct(query.shape, dtype, query, key),
                 sharding.output_struct((batch, num_heads, lse_seq),
                                        jnp.float32, query, key)),
       grid=(num_tiles, num_heads, batch),
       grid_names=("q_tiles", "heads", "batch"),
       num_threads=COMPUTE_WARPGROUPS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(query, key, value, q_lengths, kv_lengths,
-    *([] if sinks is None else [sinks.astype(jnp.float32)]))
+      args=(query, key, value, q_lengths, kv_lengths,
+            *([] if sinks is None else [sinks.astype(jnp.float32)])))
   if out.shape[1] != q_seq:
     out = out[:, :q_seq]
   if lse_seq != q_seq:

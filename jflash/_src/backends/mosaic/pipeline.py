@@ -166,3 +166,20 @@ def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
   return QueryBlock(batch=batch, head=head, warpgroup=warpgroup,
                     start=start, q_len=q_len, kv_len=kv_len, offset=offset,
                     steps_lo=steps_lo, steps_hi=steps_hi)
+
+
+def launch(kernel, scratch, *, out_type, grid, grid_names, num_threads: int,
+           args):
+  """Runs kernel(*in_refs, *out_refs, scratch) over `grid`, with
+  `num_threads` warpgroups (thread axis "wg") sharing the scoped `scratch`
+  (shared memory and barriers)."""
+
+  def body(*refs):
+    pl.run_scoped(lambda *scoped: kernel(*refs, scoped), *scratch,
+                  collective_axes="wg")
+
+  return plgpu.kernel(
+      body, out_type=out_type, grid=grid, grid_names=grid_names,
+      num_threads=num_threads, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(*args)

@@ -490,8 +490,9 @@ def dbias_call(operands: Operands, do, lse, delta, *, spec: CallSpec,
   mods = spec.modifiers.for_backward()
   modifier_operands = kernel_inputs.modifier_operands(
       mods, operands.sinks, operands.alibi_slopes, operands.dropout_seeds)
-  arrays = dict(**modifier_operands,q=q, k=k, v=operands.value, do=do, lse=lse, delta=delta,
-                q_lengths=operands.q_lengths, kv_lengths=operands.kv_lengths,
+  arrays = dict(**modifier_operands, q=q, k=k, v=operands.value, do=do,
+                lse=lse, delta=delta, q_lengths=operands.q_lengths,
+                kv_lengths=operands.kv_lengths,
                 q_segment_ids=operands.q_segment_ids,
                 kv_segment_ids=operands.kv_segment_ids, bias=bias,
                 mask=operands.mask)

@@ -53,7 +53,7 @@ def configure(spec: CallSpec, options: dict[str, Any]) -> DecodeConfig:
 def forward(spec: CallSpec, config: DecodeConfig, operands: Operands):
   """(out, lse2 [B, N, T], +inf for rows without keys), as every forward."""
   q_lengths, kv_lengths = operands.lengths()
-  out, lse2 = decode._triton_decode(  # pylint: disable=protected-access
+  out, lse2 = decode.kernel_attention(
       operands.query, operands.key, operands.value, kv_lengths, None,
       operands.sinks, operands.alibi_slopes, mask=spec.mask,
       scale=spec.scale, soft_cap=spec.logits_soft_cap,
