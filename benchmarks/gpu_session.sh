@@ -41,10 +41,11 @@ if [[ "${what}" == mosaic ]]; then
   exit "${status}"
 fi
 if [[ "${what}" == decode ]]; then
-  run decode_bench python3 benchmarks/decode.py
-  run decode_tests env JFLASH_TEST_ON_GPU=1 python3 -m pytest -q \
+  run decode_bench timeout 300 python3 benchmarks/decode.py
+  run decode_tests env JFLASH_TEST_ON_GPU=1 timeout 200 python3 -m pytest -q \
     -p no:cacheprovider tests/decode_test.py tests/examples_gpt_test.py \
-    -k "Decode or decode or Generate"
+    tests/nnx_test.py tests/linen_test.py -k "Decode or decode or Generate"
+  run generate_paged timeout 120 python3 examples/generate_paged.py
   echo "gpu_session: decode done, status ${status}, output in ${OUT}"
   exit "${status}"
 fi

@@ -79,7 +79,8 @@ class DecodeTest(parameterized.TestCase):
   def setUp(self):
     super().setUp()
     # 16-key tiles: the short test caches cross several tiles and splits.
-    self.enter_context(mock.patch.object(decode, "BLOCK_K", 16))
+    self.enter_context(mock.patch.object(
+        decode, "DEFAULT_LAUNCH", decode.DecodeLaunch(block_k=16)))
 
   def _check(self, options, q, k, v, lengths, **kwargs):
     out, lse = jflash.decode_attention(q, k, v, lengths,
@@ -245,7 +246,8 @@ class FlashAttentionDecodeBackendTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.enter_context(mock.patch.object(decode, "BLOCK_K", 16))
+    self.enter_context(mock.patch.object(
+        decode, "DEFAULT_LAUNCH", decode.DecodeLaunch(block_k=16)))
 
   @parameterized.named_parameters(
       ("causal_top_left", dict(is_causal=True)),

@@ -8,6 +8,7 @@ path. The kernel is backends/triton/decode.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -23,16 +24,33 @@ from jflash._src.backends.triton import decode as triton_decode
 from jflash._src.spec import MaskSpec
 
 MAX_NEW_TOKENS = 16
-# Key tile of the kernel, and the fewest key tiles a split is given.
-BLOCK_K = 64
+# The fewest key tiles a split is given.
 MIN_TILES_PER_SPLIT = 4
 # Programs per multiprocessor that fill a GPU (two resident per SM).
 PROGRAMS_PER_SM = 2
 IMPLEMENTATIONS = ("triton", "xla")
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+  """The decode kernel's launch configuration.
+
+  Attributes:
+    block_k: key rows per tile (with pages: at most this, see _page_tile).
+    num_warps, num_stages: Triton's warps per program and pipeline depth.
+  """
+
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 3
+
+
+# Read when a call is traced (benchmarks/decode.py --sweep patches it).
+DEFAULT_LAUNCH = DecodeLaunch()
+
+
 def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
-                       block_k: int = BLOCK_K) -> int:
+                       block_k: int | None = None) -> int:
   """Splits per (sequence, kv head): none when B x K programs already fill
   the GPU, else enough to fill it, with at least MIN_TILES_PER_SPLIT key
   tiles each (splits past a sequence's length do no work)."""
@@ -40,7 +58,7 @@ def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
   programs = batch * num_kv_heads
   if programs >= 0.8 * slots:
     return 1
-  tiles = -(-kv_seq // block_k)
+  tiles = -(-kv_seq // (block_k or DEFAULT_LAUNCH.block_k))
   return max(1, min(-(-slots // programs), tiles // MIN_TILES_PER_SPLIT))
 
 
@@ -154,8 +172,9 @@ def _gather_pages(cache, block_table):
 
 def _page_tile(page_size: int) -> int:
   """The kernel's key tile for a page size: the largest power of two that
-  divides it, at most BLOCK_K (a tile never straddles two pages)."""
-  return min(BLOCK_K, page_size & -page_size)
+  divides it, at most the launch's block_k (a tile never straddles two
+  pages)."""
+  return min(DEFAULT_LAUNCH.block_k, page_size & -page_size)
 
 
 def _xla_decode(query, key, value, lengths, block_table, sinks, slopes, *,
@@ -205,6 +224,7 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
   batch, num_tokens, num_heads, _ = query.shape
   num_kv_heads = key.shape[2]
   group = num_heads // num_kv_heads
+  launch = DEFAULT_LAUNCH
   # Triton tiles: a power of two, at least 16 rows.
   rows_padded = max(16, 1 << (num_tokens * group - 1).bit_length())
   per_row = lambda x: None if x is None else _pack(
@@ -215,8 +235,10 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
       per_row(slopes), block_table, q_lengths, mask=mask, scale=scale,
       soft_cap=soft_cap, num_tokens=num_tokens, group=group,
       num_splits=num_splits,
-      block_k=BLOCK_K if block_table is None else _page_tile(key.shape[1]),
-      num_warps=4, num_stages=3, interpret=interpret,
+      block_k=(launch.block_k if block_table is None
+               else _page_tile(key.shape[1])),
+      num_warps=launch.num_warps, num_stages=launch.num_stages,
+      interpret=interpret,
       positions_from_end=positions_from_end)
   sink2 = per_row(None if sinks is None else sinks * numerics.LOG2_E)
   out, lse2 = combine(out_parts, lse2_parts, sink2)
