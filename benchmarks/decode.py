@@ -56,10 +56,13 @@ def copy_bandwidth() -> float:
 
 
 def implementations(num_tokens):
+  # Not causal: jax.nn's causal mask is top-left, which would let a single
+  # new token see key 0 only. With T > 1 this reads the same bytes as a
+  # bottom-right causal mask, which jax.nn cannot express without a dense
+  # mask.
   def cudnn(q, k, v, lengths):
     return jax.nn.dot_product_attention(
-        q, k, v, key_value_seq_lengths=lengths, implementation="cudnn",
-        is_causal=num_tokens == 1)
+        q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
 
   def xla(q, k, v, lengths):
     return jflash.decode_attention(q, k, v, lengths, implementation="xla")
@@ -173,13 +176,18 @@ def table(num_tokens, rng):
                                 jnp.int32)
       k_pages, v_pages = paged(k, page_size, order), paged(v, page_size,
                                                            order)
+      # The pages are arguments (a closure would make them constants).
       impls[f"jflash_paged{page_size}"] = (
-          lambda q, k, v, lengths, kp=k_pages, vp=v_pages, t=block_table:
-          jflash.decode_attention(q, kp, vp, lengths, block_table=t,
-                                  implementation="triton"))
+          lambda q, k, v, lengths, kp, vp, t: jflash.decode_attention(
+              q, kp, vp, lengths, block_table=t, implementation="triton"),
+          (k_pages, v_pages, block_table))
     for name, fn in impls.items():
+      fn, extra = fn if isinstance(fn, tuple) else (fn, ())
+      if extra:
+        fn = lambda q, k, v, lengths, *extra, fn=fn: fn(q, None, None,
+                                                         lengths, *extra)
       try:
-        seconds = median_seconds(jax.jit(fn), (q, k, v, lengths))
+        seconds = median_seconds(jax.jit(fn), (q, k, v, lengths, *extra))
         row += (f" {name} {seconds * 1e6:.1f} us "
                 f"({kv_bytes / seconds / 1e12:.2f} TB/s);")
       except Exception as e:  # pylint: disable=broad-except
