@@ -11,6 +11,10 @@ from jflash._src.api import implementations
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.triton.block_sizes import BlockSizes
 from jflash._src.backends.triton.block_sizes import default_block_sizes
+from jflash._src.ring import load_balance
+from jflash._src.ring import load_unbalance
+from jflash._src.ring import ring_attention
+from jflash._src.ring import ring_attention_local
 from jflash._src.tuning.autotune import autotune
 
 _deprecation.silence_triton_deprecation()
@@ -18,4 +22,5 @@ _deprecation.silence_triton_deprecation()
 __version__ = "0.1.0"
 __all__ = [
     "BlockSizes", "MosaicBlockSizes", "autotune", "decode_attention",
-    "default_block_sizes", "flash_attention", "implementations"]
+    "default_block_sizes", "flash_attention", "implementations",
+    "load_balance", "load_unbalance", "ring_attention", "ring_attention_local"]

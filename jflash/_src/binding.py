@@ -88,6 +88,45 @@ def _run_pass(spec: CallSpec, plan: registry.Plan, pass_: str,
   return batching.fold_vmap_into_batch(fn)(*args)
 
 
+def forward_pass(spec: CallSpec, plan: registry.Plan, operands: Operands):
+  """(out, lse2) of the call's forward pass, outside the `custom_vjp`.
+
+  For code that composes several calls and writes the backward of the
+  composition itself (ring.py: one call per key shard, merged through the
+  lse): the pass runs as in `attention` (vmap folded into the batch), on
+  arrays that are one shard, and saves nothing.
+
+  Raises:
+    NotImplementedError: when the planned backend has no separate forward
+      pass (cudnn: only jax.nn's whole call).
+  """
+  if registry.get(plan.forward).forward is None:
+    raise NotImplementedError(
+        f"implementation={plan.forward!r} has no separate forward pass (it "
+        "runs only as one differentiable call); a composition of calls "
+        "needs one that returns the lse.")
+  return _run_pass(spec, plan, registry.FORWARD, False, operands)
+
+
+def backward_pass(spec: CallSpec, plan: registry.Plan, operands: Operands,
+                  out, lse2, dout, dlse=None) -> Operands:
+  """Cotangents of the call's backward pass from residuals given by the
+  caller: `out` [B, T, N, H] and `lse2` (float32 [B, N, T], base 2, +inf on
+  rows without keys) may be those of a larger call whose keys include
+  these (every backend takes p = exp2(s2 - lse2) and delta = rowsum(dout *
+  out) from them), which gives this call's share of that call's gradients.
+  `dlse`: the natural lse's cotangent, [B, N, T], zero on rows without
+  keys, or None.
+
+  Raises:
+    NotImplementedError: when the plan has no backward backend for the call.
+  """
+  if plan.backward is None:
+    raise NotImplementedError(plan.backward_error)
+  return _run_pass(spec, plan, registry.BACKWARD, False, operands, out, lse2,
+                   dout, dlse)
+
+
 def _outputs(spec: CallSpec, out, lse2):
   return (out, numerics.natural_lse(lse2)) if spec.return_lse else out
 

@@ -146,6 +146,9 @@ class Backend:
     forward: (spec, config, operands) -> (out, lse2).
     backward: (spec, config, operands, out, lse2, dout, dlse2 or None) ->
       `spec.Operands` of cotangents (None for non-differentiable operands).
+      It takes the probabilities' normalizer from `lse2` and delta =
+      rowsum(dout * out) from `out`, never recomputing them: ring attention
+      passes the residuals of whole rows with one key shard's operands.
     differentiable: whether its passes are plain JAX that can be
       differentiated again (higher-order derivatives); kernels are not.
     direct: for a backend written in plain differentiable JAX, (spec,
