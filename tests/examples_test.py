@@ -3,7 +3,10 @@
 import contextlib
 import io
 import os
+import re
 import runpy
+import subprocess
+import sys
 
 from absl.testing import absltest
 
@@ -24,6 +27,25 @@ class ExamplesTest(absltest.TestCase):
       if "= " in line and "max |jflash" in line:
         error = float(line.split("= ")[1].split()[0])
         self.assertLess(error, 5e-2, msg=line)
+
+  def test_long_context_sharded_tiny_on_four_cpu_devices(self):
+    # Its own process: the fake CPU devices must exist before JAX starts.
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               # As the suite (conftest.py): compiling, not running, costs.
+               JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    env.pop("JFLASH_TEST_ON_GPU", None)
+    result = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "long_context_sharded.py"),
+         "--tiny", "--cpu-devices", "4"],
+        env=env, capture_output=True, text=True, check=False)
+    text = result.stdout + result.stderr[-5000:]
+    self.assertEqual(result.returncode, 0, msg=text)
+    self.assertIn("devices: 4 x cpu", text)
+    first, last = map(float, re.search(
+        r"first loss ([\d.]+) -> last loss ([\d.]+)", text).groups())
+    self.assertLess(last, first, msg=text)
+    self.assertRegex(text, r"tokens/s: [\d,]+")
+    self.assertRegex(text, r"memory per device .*: [\d.]+ MiB")
 
 
 if __name__ == "__main__":

@@ -305,66 +305,67 @@ def _backward_rule(ring: Ring, residuals, cotangent):
   rank = lax.axis_index(ring.axis_name)
   kv = (k, v, kv_ids)
   f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)
-  grads = None
+  dq = dk = dv = None
   for step in range(ring.num_devices):
     if step > 0:
-      kv, grads = _after(kv, grads)  # As in forward_loop.
+      # As in forward_loop; dq is the previous block's output (dK/dV, in
+      # flight, are left free to overlap this step's block).
+      kv, dq = _after(kv, dq)
     next_kv = ring.rotate(kv) if step + 1 < ring.num_devices else None
     if step == 0:
-      grads = f32(*ring.first.backward(q, *kv[:2], q_ids, kv[2], *rows))
+      dq, dk, dv = f32(*ring.first.backward(q, *kv[:2], q_ids, kv[2],
+                                            *rows))
     else:
-      grads = _backward_step(ring, rank, step, q, q_ids, kv, rows, grads)
+      dq, (key_share, value_share) = _backward_step(ring, rank, step, q,
+                                                    q_ids, kv, rows, dq)
+      # The block does not wait for the accumulators: only this sum does,
+      # so their transfer from the previous device overlaps the block.
+      dk, dv = dk + key_share, dv + value_share
     if ring.num_devices > 1:
       # dK/dV travel with their shard: to the device that holds it next,
-      # and after the last step, home. They depend on this step's block;
-      # the next block does not depend on them (only its sum does), so the
-      # transfer can overlap the next block.
-      dq, dk, dv = grads
-      grads = (dq, *ring.rotate((dk, dv)))
+      # and after the last step, home.
+      dk, dv = ring.rotate((dk, dv))
     kv = next_kv
-  dq, dk, dv = grads
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
           None)
 
 
-def _backward_step(ring: Ring, rank, step, q, q_ids, kv, rows, grads):
-  """Adds step `step`'s block gradients to (dq, dk, dv), in float32."""
+def _backward_step(ring: Ring, rank, step, q, q_ids, kv, rows, dq):
+  """Step `step`'s block: (dq plus its share, its float32 shares of the
+  shard's (dK, dV), whole-shard shaped, zero where it has none)."""
   k, v, kv_ids = kv
+  f32 = lambda x: x.astype(jnp.float32)
+  zeros = lambda x: jnp.zeros_like(x, dtype=jnp.float32)
 
-  def add(a, b):
-    return a + b.astype(jnp.float32)
-
-  def visit(grads):
-    parts = ring.other.backward(q, k, v, q_ids, kv_ids, *rows)
-    return tuple(map(add, grads, parts))
+  def visit(dq):
+    gq, gk, gv = ring.other.backward(q, k, v, q_ids, kv_ids, *rows)
+    return dq + f32(gq), (f32(gk), f32(gv))
 
   if not ring.is_causal:
-    return visit(grads)
+    return visit(dq)
   before = step <= rank
   if not ring.balanced:
-    return lax.cond(before, visit, lambda grads: grads, grads)
+    return lax.cond(before, visit, lambda dq: (dq, (zeros(k), zeros(v))),
+                    dq)
 
   half = k.shape[1] // 2
-  first_half = lambda x: _slice_rows(x, 0, half)
+  # Shares of the shard's first chunk only, padded to the whole shard.
+  pad = lambda x: jnp.concatenate([f32(x), zeros(x)], axis=1)
 
-  def lower(grads):
-    dq, dk, dv = grads
+  def lower(dq):
     gq, gk, gv = ring.lower.backward(q, k[:, :half], v[:, :half], q_ids,
-                                     first_half(kv_ids), *rows)
-    return (add(dq, gq), dk.at[:, :half].add(gk.astype(jnp.float32)),
-            dv.at[:, :half].add(gv.astype(jnp.float32)))
+                                     _slice_rows(kv_ids, 0, half), *rows)
+    return dq + f32(gq), (pad(gk), pad(gv))
 
-  def upper(grads):
-    dq, dk, dv = grads
+  def upper(dq):
     out, lse2, dout, dlse = rows
     gq, gk, gv = ring.upper.backward(
         q[:, half:], k, v, _slice_rows(q_ids, half, None), kv_ids,
         out[:, half:], lse2[..., half:], dout[:, half:],
         None if dlse is None else dlse[..., half:])
-    return (dq.at[:, half:].add(gq.astype(jnp.float32)), add(dk, gk),
-            add(dv, gv))
+    return dq.at[:, half:].add(f32(gq)), (f32(gk), f32(gv))
 
-  return lax.cond(before, lower, upper, grads)
+  return lax.cond(before, lower, upper, dq)
 
 
 ring_attention.defvjp(_forward_rule, _backward_rule)

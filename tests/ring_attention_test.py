@@ -1,0 +1,414 @@
+"""Context parallelism (ring.py, ring_loop.py) against flash_attention.
+
+The multi-device cases (`RingAttentionTest`) need 8 devices, which must be
+set before JAX starts: as in sharding_test.py, `EightDevicesTest` runs them
+in a subprocess with JFLASH_TEST_CPU_DEVICES=8 and fails with its output if
+any fails; in the suite's process they skip. Meshes of 2, 4 and 8 devices
+come from those 8. Most cases run the XLA path (cheap to compile); one per
+layout runs the Triton kernels through the Pallas interpreter. Every case
+compares the output and all gradients with single-device
+`flash_attention(implementation="xla")` on the unsharded arrays.
+
+Load balancing, bad input and the one-GPU check need no devices and run in
+the suite's own process (the one-GPU check only with JFLASH_TEST_ON_GPU=1).
+"""
+
+import dataclasses
+import functools
+import math
+import os
+import subprocess
+import sys
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+import jflash
+from jflash._src import api
+from jflash._src import registry
+from jflash._src import ring
+from jflash._src import ring_loop
+from jflash._src.spec import Operands
+from tests import test_util
+from tests import tolerances
+
+DEVICES = 8
+AXIS = "context"
+B, T, N, K, H = 2, 64, 4, 2, 16  # GQA: 2 query heads per kv head.
+SINKS = np.array([0.5, -1.0, 0.0, 2.0], np.float32)
+TOLERANCE = tolerances.direct("float32")
+
+
+def _inputs(seed=0, seq=T):
+  return test_util.random_inputs(seed, batch=B, q_len=seq, kv_len=seq,
+                                 num_heads=N, num_kv_heads=K, head_dim=H)
+
+
+def _segment_ids(seq=T):
+  """Packed sequences of different lengths per batch element, crossing
+  shard boundaries."""
+  return jnp.asarray(np.stack([np.arange(seq) // 23, np.arange(seq) // 11]),
+                     jnp.int32)
+
+
+def _mesh(devices, axis_type=AxisType.Auto):
+  return jax.make_mesh((devices,), (AXIS,), axis_types=(axis_type,),
+                       devices=jax.devices()[:devices])
+
+
+def _value_and_grads(fn, dout):
+  """One program: fn's output and the gradients of <fn, dout>."""
+
+  def value_and_grads(*args):
+    out, vjp = jax.vjp(fn, *args)
+    return out, vjp(dout.astype(out.dtype))
+
+  return value_and_grads
+
+
+@functools.cache
+def _reference(seed, seq, is_causal, segments, sinks):
+  """Single-device flash_attention (XLA path): output and gradients."""
+  q, k, v, dout = _inputs(seed, seq)
+  ids = _segment_ids(seq) if segments else None
+  fn = lambda q, k, v, *s: jflash.flash_attention(
+      q, k, v, is_causal=is_causal, implementation="xla", q_segment_ids=ids,
+      kv_segment_ids=ids, sinks=s[0] if s else None)
+  args = (q, k, v) + ((jnp.asarray(SINKS),) if sinks else ())
+  return jax.jit(_value_and_grads(fn, dout))(*args)
+
+
+class RingAttentionTest(parameterized.TestCase):
+  """Cases on 2, 4 and 8 of 8 CPU devices (EightDevicesTest's subprocess)."""
+
+  def setUp(self):
+    super().setUp()
+    if jax.device_count() < DEVICES:
+      self.skipTest(f"needs {DEVICES} devices: runs in EightDevicesTest's "
+                    "subprocess")
+
+  def _check(self, devices, *, strategy="ring", layout="contiguous",
+             is_causal=True, segments=False, sinks=False, seq=T, **options):
+    """Ring attention of the inputs (permuted for the balanced layout)
+    against flash_attention: output and every gradient."""
+    q, k, v, dout = _inputs(0, seq)
+    ids = _segment_ids(seq) if segments else None
+    if layout == "balanced":
+      into = lambda x: jflash.load_balance(x, devices)
+      back = lambda x: jflash.load_unbalance(x, devices)
+    else:
+      into = back = lambda x: x
+    mesh = _mesh(devices)
+    ring_ids = None if ids is None else into(ids)
+    fn = lambda q, k, v, *s: jflash.ring_attention(
+        q, k, v, mesh=mesh, axis_name=AXIS, is_causal=is_causal,
+        layout=layout, strategy=strategy, q_segment_ids=ring_ids,
+        kv_segment_ids=ring_ids, sinks=s[0] if s else None,
+        **({"implementation": "xla"} | options))
+    args = tuple(map(into, (q, k, v))) + (
+        (jnp.asarray(SINKS),) if sinks else ())
+    with jax.set_mesh(mesh):
+      out, grads = jax.jit(_value_and_grads(fn, into(dout)))(*args)
+    # Sequence-shaped results back to positions in order; dsinks is [N].
+    results = (back(out), *map(back, grads[:3]), *grads[3:])
+    expected_out, expected_grads = _reference(0, seq, is_causal, segments,
+                                              sinks)
+    chex.assert_tree_all_finite(results)
+    chex.assert_trees_all_close(results, (expected_out, *expected_grads),
+                                atol=TOLERANCE, rtol=TOLERANCE)
+
+  @parameterized.named_parameters(
+      ("2_devices_causal_segments", 2, "contiguous", True, True, False),
+      ("2_devices_balanced_sinks", 2, "balanced", True, False, True),
+      ("4_devices_balanced_segments_sinks", 4, "balanced", True, True, True),
+      ("4_devices_not_causal_segments", 4, "contiguous", False, True, False),
+      ("8_devices_causal_sinks", 8, "contiguous", True, False, True),
+      ("8_devices_balanced_segments", 8, "balanced", True, True, False),
+  )
+  def test_ring(self, devices, layout, is_causal, segments, sinks):
+    self._check(devices, layout=layout, is_causal=is_causal,
+                segments=segments, sinks=sinks)
+
+  @parameterized.named_parameters(
+      ("2_devices_balanced_segments", 2, "balanced", True, True, False),
+      ("4_devices_not_causal_sinks", 4, "contiguous", False, False, True),
+      ("8_devices_causal_segments_sinks", 8, "contiguous", True, True, True),
+  )
+  def test_all_gather(self, devices, layout, is_causal, segments, sinks):
+    self._check(devices, strategy="all_gather", layout=layout,
+                is_causal=is_causal, segments=segments, sinks=sinks)
+
+  @parameterized.named_parameters(("contiguous", "contiguous"),
+                                  ("balanced", "balanced"))
+  def test_triton_kernels_interpreted(self, layout):
+    # The Triton kernels in the interpreter, small tiles so that the
+    # 64-token shards cross several tiles (and skip other segments').
+    self._check(2, layout=layout, segments=True, seq=128,
+                implementation="triton", interpret=True,
+                block_sizes=test_util.SMALL_BLOCKS)
+
+  def test_batch_and_heads_sharded_on_an_explicit_mesh(self):
+    q, k, v, dout = _inputs()
+    mesh = jax.make_mesh((2, 2, 2), ("data", "heads", AXIS),
+                         axis_types=(AxisType.Explicit,) * 3)
+    spec = P("data", AXIS, "heads")
+    fn = lambda q, k, v, s: jflash.ring_attention(
+        q, k, v, mesh=mesh, axis_name=AXIS, is_causal=True,
+        implementation="xla", sinks=s)
+    with jax.set_mesh(mesh):
+      put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+      out, grads = jax.jit(_value_and_grads(fn, put(dout)))(
+          put(q), put(k), put(v), jnp.asarray(SINKS))
+    self.assertEqual(out.sharding.spec, P("data", AXIS, "heads", None))
+    for grad in grads[:3]:
+      self.assertEqual(grad.sharding.spec, P("data", AXIS, "heads", None))
+    expected_out, expected_grads = _reference(0, T, True, False, True)
+    chex.assert_trees_all_close((out, *grads),
+                                (expected_out, *expected_grads),
+                                atol=TOLERANCE, rtol=TOLERANCE)
+
+  @parameterized.named_parameters(("ring", "ring"),
+                                  ("all_gather", "all_gather"))
+  def test_local_inside_a_user_shard_map_with_check_vma(self, strategy):
+    q, k, v, dout = _inputs()
+    mesh = jax.make_mesh((2, 4), ("data", AXIS),
+                         axis_types=(AxisType.Auto,) * 2)
+    into = lambda x: jflash.load_balance(x, 4)
+    local = lambda q, k, v, s: jflash.ring_attention_local(
+        q, k, v, axis_name=AXIS, is_causal=True, layout="balanced",
+        strategy=strategy, sinks=s, implementation="xla")
+    rows = P("data", AXIS)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P()),
+                       out_specs=rows, check_vma=True)
+    with jax.set_mesh(mesh):
+      out, grads = jax.jit(_value_and_grads(fn, into(dout)))(
+          into(q), into(k), into(v), jnp.asarray(SINKS))
+    back = lambda x: jflash.load_unbalance(x, 4)
+    results = (back(out), *map(back, grads[:3]), grads[3])
+    expected_out, expected_grads = _reference(0, T, True, False, True)
+    chex.assert_trees_all_close(results, (expected_out, *expected_grads),
+                                atol=TOLERANCE, rtol=TOLERANCE)
+
+  def _compiled(self, fn, devices, seq, dtype=jnp.float32, heads=(N, K, H)):
+    """fwd+bwd of fn (a loss gradient) compiled on sequence-sharded
+    abstract inputs."""
+    num_heads, num_kv_heads, head_dim = heads
+    mesh = _mesh(devices)
+    sharding = NamedSharding(mesh, P(None, AXIS))
+    args = [jax.ShapeDtypeStruct((1, seq, n, head_dim), dtype,
+                                 sharding=sharding)
+            for n in (num_heads, num_kv_heads, num_kv_heads)]
+    grad = jax.grad(lambda q, k, v: jnp.sum(fn(mesh)(q, k, v)),
+                    argnums=(0, 1, 2))
+    return jax.jit(grad).lower(*args).compile()
+
+  def test_ring_hlo_permutes_and_never_gathers(self):
+    ring_fn = lambda mesh: functools.partial(
+        jflash.ring_attention, mesh=mesh, axis_name=AXIS, is_causal=True,
+        implementation="xla")
+    hlo = self._compiled(ring_fn, 8, 256).as_text()
+    self.assertIn("collective-permute", hlo)
+    self.assertNotIn("all-gather", hlo)
+    # The blocks above the diagonal are skipped by a conditional.
+    self.assertIn("conditional", hlo)
+    gather_fn = lambda mesh: functools.partial(ring_fn(mesh),
+                                               strategy="all_gather")
+    self.assertIn("all-gather", self._compiled(gather_fn, 8, 256).as_text())
+
+  def test_backward_memory_is_per_shard(self):
+    # One head of dim 128, so that the XLA path's [C, C] block logits are
+    # small next to the [C, H] shards (the kernels never form them).
+    heads = (1, 1, 128)
+    temp = lambda fn, devices, seq: self._compiled(
+        fn, devices, seq, heads=heads).memory_analysis().temp_size_in_bytes
+    ring_fn = lambda mesh: functools.partial(
+        jflash.ring_attention, mesh=mesh, axis_name=AXIS, is_causal=True,
+        implementation="xla")
+    shard = 64
+    ring_8 = temp(ring_fn, 8, 8 * shard)
+    # The same shard length on 4 and 8 devices: the same memory (the ring
+    # holds two shards at a time, whatever the ring's length).
+    self.assertLessEqual(ring_8, 1.1 * temp(ring_fn, 4, 4 * shard))
+    # Twice the sequence on 8 devices: linear, up to the small logits.
+    self.assertLessEqual(ring_8, 2.5 * temp(ring_fn, 8, 4 * shard))
+    # Autodiff of the very forward loop stores every rotated shard and
+    # partial output (measured 4.8x at this size).
+    autodiff = temp(_autodiff_of_the_forward_loop, 8, 8 * shard)
+    self.assertGreater(autodiff, 3 * ring_8)
+
+
+def _differentiable_partial(block, q, k, v, q_ids, kv_ids):
+  """A block's (out, base-2 lse) through the XLA path, differentiable."""
+  spec = dataclasses.replace(block.spec, return_lse=True)
+  out, lse = registry.get("xla").direct(spec, None, Operands(
+      q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids))
+  return out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2) * math.log2(math.e)
+
+
+def _autodiff_of_the_forward_loop(mesh):
+  """Ring attention whose backward is JAX's autodiff of forward_loop."""
+
+  def local(q, k, v):
+    call = api.describe(q, k, v, is_causal=True)
+    loop = ring._make_ring(call, axis_name=AXIS,  # pylint: disable=protected-access
+                           num_devices=mesh.shape[AXIS], balanced=False,
+                           implementation="xla")
+    out, _ = ring_loop.forward_loop(loop, q, k, v, None, None,
+                                    block_partial=_differentiable_partial)
+    return out.astype(q.dtype)
+
+  rows = P(None, AXIS)
+  return jax.shard_map(local, mesh=mesh, in_specs=(rows,) * 3,
+                       out_specs=rows, check_vma=False)
+
+
+class LoadBalanceTest(parameterized.TestCase):
+
+  def test_order_of_the_chunks(self):
+    # 2 shards, 8 positions in 4 chunks of 2: device 0 holds chunks 0 and
+    # 3, device 1 chunks 1 and 2.
+    x = np.arange(8)[None]
+    np.testing.assert_array_equal(jflash.load_balance(x, 2),
+                                  [[0, 1, 6, 7, 2, 3, 4, 5]])
+
+  @parameterized.parameters(1, 2, 4, 8)
+  def test_round_trip(self, num_shards):
+    x = np.random.default_rng(num_shards).normal(size=(3, 5, 32, 2))
+    balanced = jflash.load_balance(x, num_shards, axis=2)
+    self.assertIsInstance(balanced, np.ndarray)
+    np.testing.assert_array_equal(
+        jflash.load_unbalance(balanced, num_shards, axis=2), x)
+    on_device = jflash.load_balance(jnp.asarray(x, jnp.float32), num_shards,
+                                    axis=-2)
+    np.testing.assert_array_equal(on_device, balanced.astype(np.float32))
+    np.testing.assert_array_equal(
+        jax.jit(jflash.load_unbalance, static_argnums=(1, 2))(
+            on_device, num_shards, 2), x.astype(np.float32))
+
+  def test_bad_input(self):
+    x = np.zeros((2, 12))
+    with self.assertRaisesRegex(ValueError, r"\(12, shape \(2, 12\)\).*8"):
+      jflash.load_balance(x, 4)
+    with self.assertRaisesRegex(ValueError, "num_shards"):
+      jflash.load_unbalance(x, 0)
+    with self.assertRaisesRegex(ValueError, "axis=2"):
+      jflash.load_balance(x, 1, axis=2)
+
+
+class BadInputTest(parameterized.TestCase):
+  """Refused before anything runs; an abstract mesh stands in for 4
+  devices."""
+
+  def _call(self, q_len=64, kv_len=64, **kwargs):
+    q = jnp.zeros((B, q_len, N, H))
+    kv = jnp.zeros((B, kv_len, K, H))
+    kwargs = {"mesh": jax.sharding.AbstractMesh((4,), (AXIS,)),
+              "axis_name": AXIS, **kwargs}
+    return jflash.ring_attention(q, kv, kv, **kwargs)
+
+  def test_lengths_must_match(self):
+    with self.assertRaisesRegex(
+        ValueError, r"T == S.*query.shape=\(2, 64, 4, 16\), "
+        r"key.shape=\(2, 32, 2, 16\)"):
+      self._call(kv_len=32)
+
+  def test_sequence_must_divide(self):
+    with self.assertRaisesRegex(ValueError, r"T=66.*4 shards"):
+      self._call(q_len=66, kv_len=66)
+    with self.assertRaisesRegex(ValueError, r"T=68.*2 x 4 = 8 chunks"):
+      self._call(q_len=68, kv_len=68, is_causal=True, layout="balanced")
+
+  def test_unknown_names(self):
+    with self.assertRaisesRegex(ValueError, r"axis_name='seq'.*'context'"):
+      self._call(axis_name="seq")
+    with self.assertRaisesRegex(ValueError, "layout.*'striped'"):
+      self._call(layout="striped")
+    with self.assertRaisesRegex(ValueError, "strategy.*'ulysses'"):
+      self._call(strategy="ulysses")
+    with self.assertRaisesRegex(ValueError, "mesh must be"):
+      self._call(mesh=jax.devices())
+
+  def test_what_flash_attention_refuses(self):
+    with self.assertRaisesRegex(ValueError, "q_segment_ids must have shape"):
+      self._call(q_segment_ids=jnp.zeros((B, 32), jnp.int32),
+                 kv_segment_ids=jnp.zeros((B, 64), jnp.int32))
+
+  @parameterized.parameters(
+      ("local_window_size", (8, 0)), ("alibi_slopes", np.ones(N)),
+      ("dropout_rate", 0.1), ("bias", np.zeros((1, 1, 64, 64))),
+      ("mask", np.ones((1, 1, 64, 64), bool)),
+      ("query_seq_lengths", np.array([64, 64])))
+  def test_unsupported_options_name_themselves(self, option, value):
+    with self.assertRaisesRegex(NotImplementedError, option):
+      self._call(**{option: value})
+    q = jnp.zeros((B, 16, N, H))
+    with self.assertRaisesRegex(NotImplementedError, option):
+      jflash.ring_attention_local(q, q, q, axis_name=AXIS, **{option: value})
+
+  def test_local_outside_shard_map(self):
+    q = jnp.zeros((B, 16, N, H))
+    with self.assertRaisesRegex(ValueError, "axis_name='context'.*shard_map"):
+      jflash.ring_attention_local(q, q, q, axis_name=AXIS)
+
+  def test_cudnn_has_no_separate_passes(self):
+    q = jnp.zeros((B, 16, N, H))
+    with self.assertRaisesRegex(NotImplementedError, "separate forward"):
+      jflash.ring_attention(q, q, q, mesh=_mesh(1), axis_name=AXIS,
+                            implementation="cudnn")
+
+
+class OneGpuTest(absltest.TestCase):
+  """ring_attention on a one-device mesh is flash_attention, compiled."""
+
+  @absltest.skipIf(not test_util.ON_GPU,
+                   "compiled kernels: runs with JFLASH_TEST_ON_GPU=1")
+  def test_one_device_mesh_equals_flash_attention(self):
+    q, k, v, dout = test_util.random_inputs(
+        3, batch=2, q_len=512, kv_len=512, num_heads=8, num_kv_heads=2,
+        head_dim=64, dtype="bfloat16")
+    mesh = jax.make_mesh((1,), (AXIS,), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:1])
+    for is_causal in (False, True):
+      flash = lambda q, k, v: jflash.flash_attention(q, k, v,
+                                                     is_causal=is_causal)
+      ring_fn = lambda q, k, v: jflash.ring_attention(
+          q, k, v, mesh=mesh, axis_name=AXIS, is_causal=is_causal)
+      expected = jax.jit(_value_and_grads(flash, dout))(q, k, v)
+      with jax.set_mesh(mesh):
+        put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, AXIS)))
+        got = jax.jit(_value_and_grads(ring_fn, put(dout)))(
+            put(q), put(k), put(v))
+      tolerance = tolerances.direct(q.dtype)
+      chex.assert_trees_all_close(got, expected, atol=tolerance,
+                                  rtol=tolerance)
+
+
+class EightDevicesTest(absltest.TestCase):
+  """Runs this file's multi-device cases in a subprocess with 8 CPU
+  devices."""
+
+  @absltest.skipIf(jax.device_count() >= DEVICES,
+                   "this process has the devices: the cases run here")
+  def test_ring_cases_pass_on_eight_cpu_devices(self):
+    env = dict(os.environ, JFLASH_TEST_CPU_DEVICES=str(DEVICES),
+               JAX_PLATFORMS="cpu")
+    env.pop("JFLASH_TEST_ON_GPU", None)  # Kernels interpreted on the CPU.
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-n", "0", "-k", "RingAttentionTest", __file__],
+        env=env, capture_output=True, text=True, check=False,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    self.assertEqual(result.returncode, 0,
+                     msg=result.stdout[-20000:] + result.stderr[-5000:])
+    self.assertIn(" passed", result.stdout.splitlines()[-1])
+
+
+if __name__ == "__main__":
+  absltest.main()
