@@ -161,6 +161,40 @@ class DecodeTest(parameterized.TestCase):
     out_dense = self._check(options, q, k, v, lengths, **kwargs)[0]
     np.testing.assert_allclose(out_paged, out_dense, atol=2e-6, rtol=2e-6)
 
+  @parameterized.product(page_size=(16, 48), num_tokens=(1, 5))
+  def test_tiles_that_span_pages(self, page_size, num_tokens):
+    # 32-key tiles over pages of 16 or 48 keys: a tile gathers its rows
+    # from two pages. Table entries past each sequence's pages name a page
+    # of NaNs: the kernel must not read them (a masked product would still
+    # give 0 * NaN).
+    self.enter_context(mock.patch.object(
+        decode, "DEFAULT_LAUNCH", decode.DecodeLaunch(block_k=32)))
+    q, k, v = _inputs(9, num_tokens=num_tokens, num_heads=8, num_kv_heads=2,
+                      kv_seq=192)
+    lengths = jnp.array([192, 70, 0], jnp.int32)
+    batch, kv_seq = k.shape[:2]
+    max_pages = kv_seq // page_size
+    order = np.random.default_rng(page_size).permutation(batch * max_pages)
+    block_table = order.reshape(batch, max_pages)
+    poison = batch * max_pages  # The last page: all NaN.
+    used = -(-np.asarray(lengths) // page_size)
+    block_table = np.where(np.arange(max_pages)[None] < used[:, None],
+                           block_table, poison)
+
+    def paged(cache):
+      pages = np.full((poison + 1, page_size, *cache.shape[2:]), np.nan,
+                      np.float32)
+      pages[order] = np.asarray(cache).reshape(-1, page_size,
+                                               *cache.shape[2:])
+      return jnp.asarray(pages)
+
+    options = IMPLEMENTATIONS[0][1]
+    out_paged = jflash.decode_attention(
+        q, paged(k), paged(v), lengths, block_table=jnp.asarray(block_table),
+        num_splits=2, **options)
+    out_dense = self._check(options, q, k, v, lengths)[0]
+    np.testing.assert_allclose(out_paged, out_dense, atol=2e-6, rtol=2e-6)
+
   def test_every_split_count_gives_the_same_result(self):
     q, k, v = _inputs(3, num_tokens=2)
     lengths = jnp.array([96, 40, 0], jnp.int32)

@@ -136,6 +136,21 @@ class NnxTest(parameterized.TestCase):
                                 rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(ours.cache_index[...], [12, 12])
 
+  def test_decode_steps_run_on_the_decode_kernel(self):
+    # implementation=None sends a decode step to the split-K decode kernel
+    # (here from any cache length: its 2048-key threshold lowered), with the
+    # same results as full causal attention.
+    _, ours = self._pair(num_kv_heads=2)
+    x = _inputs(6, length=12)
+    full = nnx.jit(lambda m, x: m(x, is_causal=True))(ours, x)
+    ours.init_cache(x.shape)
+    with test_util.decode_backend_by_default() as kernel_calls:
+      step = nnx.jit(lambda m, token: m(token, decode=True))
+      steps = [step(ours, x[:, t:t + 1]) for t in range(12)]
+    self.assertGreater(kernel_calls.call_count, 0)
+    chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), full,
+                                rtol=2e-5, atol=2e-5)
+
   def test_decode_cache_has_a_length_per_batch_element(self):
     _, ours = self._pair()
     x = _inputs(6, length=8)

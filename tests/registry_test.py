@@ -36,8 +36,9 @@ class RegistryTest(absltest.TestCase):
   def test_implementations_lists_every_backend(self):
     listing = {b["name"]: b for b in jflash.implementations()}
     self.assertEqual(list(listing),
-                     ["mosaic", "decode", "triton", "xla", "cudnn"])
-    self.assertTrue(listing["decode"]["named_only"])
+                     ["decode", "mosaic", "triton", "xla", "cudnn"])
+    self.assertFalse(listing["decode"]["named_only"])
+    self.assertEqual(listing["decode"]["default_min_kv_len"], 2048)
     self.assertEqual(listing["decode"]["passes"], ["forward"])
     self.assertEqual(listing["decode"]["max_q_len"], 16)
     triton, xla, cudnn = listing["triton"], listing["xla"], listing["cudnn"]
@@ -132,6 +133,28 @@ class RegistryTest(absltest.TestCase):
             f"configures the {owner} backend; it cannot be combined with "
             f"implementation='{named}'"):
           registry.plan(call.spec, named, call.options)
+
+  def test_decode_calls_go_to_the_decode_kernel_from_2048_keys(self):
+    # On a Hopper GPU (mocked): a few new tokens against a long cache run
+    # the split-K decode kernel forward (the backward stays with the
+    # training kernels); a short cache, or many query rows, does not.
+    lengths = jnp.array([3000], jnp.int32)
+    with mock.patch.object(registry, "current_platform",
+                           return_value="cuda"), \
+        mock.patch.object(platform, "cuda_compute_capability",
+                          return_value="9.0"):
+      for q_len, kv_len, expected in ((1, 4096, "decode"),
+                                      (16, 2048, "decode"),
+                                      (1, 2047, "mosaic"),
+                                      (17, 4096, "mosaic")):
+        q = jnp.ones((1, q_len, 8, 64), jnp.bfloat16)
+        k = jnp.ones((1, kv_len, 2, 64), jnp.bfloat16)
+        call = api.describe(q, k, k, is_causal=True,
+                            causal_alignment="bottom_right",
+                            key_value_seq_lengths=lengths)
+        plan = registry.plan(call.spec, None, call.options)
+        self.assertEqual((plan.forward, plan.backward), (expected, "mosaic"),
+                         msg=f"q_len={q_len}, kv_len={kv_len}")
 
   def test_mosaic_tiles_must_fit_shared_memory(self):
     q = jnp.ones((1, 64, 2, 128), jnp.bfloat16)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import os
 import re
+from unittest import mock
 
 import chex
 import jax
@@ -24,6 +27,22 @@ INTERPRET = not ON_GPU
 SMALL_BLOCKS = jflash.BlockSizes(
     block_q=16, block_k=32, block_q_dkv=32, block_k_dkv=16, block_q_dq=16,
     block_k_dq=32)
+
+
+@contextlib.contextmanager
+def decode_backend_by_default():
+  """The "decode" backend chosen by implementation=None from any cache
+  length (its default_min_kv_len lifted); yields a spy on its kernel."""
+  # pylint: disable=g-import-not-at-top
+  from jflash._src import decode
+  from jflash._src import registry
+  backend = registry.get("decode")
+  anywhere = dataclasses.replace(backend, capabilities=dataclasses.replace(
+      backend.capabilities, default_min_kv_len=None))
+  with mock.patch.dict(registry._REGISTRY, {"decode": anywhere}), \
+      mock.patch.object(decode, "kernel_attention",
+                        wraps=decode.kernel_attention) as kernel_calls:
+    yield kernel_calls
 
 
 def random_inputs(seed: int, *, batch=2, q_len=64, kv_len=64, num_heads=2,

@@ -36,13 +36,14 @@ class DecodeLaunch:
   """The decode kernel's launch configuration.
 
   Attributes:
-    block_k: key rows per tile (with pages: at most this, see _page_tile).
+    block_k: key rows per tile (with pages smaller than a tile, a tile
+      gathers its rows from several pages).
     num_warps, num_stages: Triton's warps per program and pipeline depth.
   """
 
   block_k: int = 64
   num_warps: int = 4
-  num_stages: int = 3
+  num_stages: int = 4
 
 
 # Read when a call is traced (benchmarks/decode.py --sweep patches it).
@@ -170,13 +171,6 @@ def _gather_pages(cache, block_table):
   return pages.reshape(block_table.shape[0], -1, *cache.shape[2:])
 
 
-def _page_tile(page_size: int) -> int:
-  """The kernel's key tile for a page size: the largest power of two that
-  divides it, at most the launch's block_k (a tile never straddles two
-  pages)."""
-  return min(DEFAULT_LAUNCH.block_k, page_size & -page_size)
-
-
 def _xla_decode(query, key, value, lengths, block_table, sinks, slopes, *,
                 mask, scale, soft_cap):
   """The XLA path: [B, N, T, S] logits in float32 (stores the scores)."""
@@ -230,18 +224,22 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
   per_row = lambda x: None if x is None else _pack(
       jnp.broadcast_to(x[:, None, :], (batch, num_tokens, num_heads)),
       num_kv_heads, rows_padded)
+  # One split and no sink: the kernel's output is final (written in the
+  # query dtype) and the combine is skipped.
+  final = num_splits == 1 and sinks is None
   out_parts, lse2_parts = triton_decode.decode_call(
       _pack(query, num_kv_heads, rows_padded), key, value, lengths,
       per_row(slopes), block_table, q_lengths, mask=mask, scale=scale,
       soft_cap=soft_cap, num_tokens=num_tokens, group=group,
-      num_splits=num_splits,
-      block_k=(launch.block_k if block_table is None
-               else _page_tile(key.shape[1])),
+      num_splits=num_splits, block_k=launch.block_k,
       num_warps=launch.num_warps, num_stages=launch.num_stages,
-      interpret=interpret,
+      out_dtype=query.dtype if final else jnp.float32, interpret=interpret,
       positions_from_end=positions_from_end)
-  sink2 = per_row(None if sinks is None else sinks * numerics.LOG2_E)
-  out, lse2 = combine(out_parts, lse2_parts, sink2)
+  if final:
+    out, lse2 = out_parts[0], lse2_parts[0]
+  else:
+    sink2 = per_row(None if sinks is None else sinks * numerics.LOG2_E)
+    out, lse2 = combine(out_parts, lse2_parts, sink2)
   return (_unpack(out, num_tokens, num_heads).astype(query.dtype),
           _unpack(lse2, num_tokens, num_heads))
 

@@ -85,6 +85,10 @@ class Capabilities:
     max_q_len: the most query rows per sequence it takes, or None.
     max_rows_per_kv_head: the most query rows per kv head (q_len x GQA
       group) it takes, or None.
+    default_min_kv_len: `implementation=None` chooses it only for calls
+      with at least this many keys per sequence (a backend made for one
+      shape of call, such as decoding, where the others are as fast below
+      it); None: no such bound. Named, it runs any call it supports.
   """
 
   passes: frozenset[str]
@@ -101,6 +105,7 @@ class Capabilities:
   compute_capabilities: frozenset[str] | None = None
   max_q_len: int | None = None
   max_rows_per_kv_head: int | None = None
+  default_min_kv_len: int | None = None
 
   def describe(self) -> dict[str, Any]:
     """A plain-data summary for users (`jflash.implementations()`)."""
@@ -125,6 +130,7 @@ class Capabilities:
         else sorted(self.compute_capabilities),
         "max_q_len": self.max_q_len,
         "max_rows_per_kv_head": self.max_rows_per_kv_head,
+        "default_min_kv_len": self.default_min_kv_len,
     }
 
 
@@ -258,8 +264,11 @@ def unsupported_reason(backend: Backend, spec: CallSpec, pass_: str,
   return None
 
 
-def _is_default_here(backend: Backend) -> bool:
+def _is_default_here(backend: Backend, spec: CallSpec | None = None) -> bool:
   caps = backend.capabilities
+  if (spec is not None and caps.default_min_kv_len is not None
+      and spec.kv_len < caps.default_min_kv_len):
+    return False
   return not caps.named_only and current_platform() not in caps.fallback_on
 
 
@@ -332,7 +341,8 @@ def plan(spec: CallSpec, implementation: str | None,
       chosen[pass_] = candidates[0]
       continue
     chosen[pass_], reasons = _first_supporting(
-        [b for b in candidates if _is_default_here(b)], spec, pass_, options)
+        [b for b in candidates if _is_default_here(b, spec)], spec, pass_,
+        options)
     if chosen[pass_] is None:
       chosen[pass_], more = _first_supporting(
           [b for b in candidates if _is_fallback_here(b)], spec, pass_,

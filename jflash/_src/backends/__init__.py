@@ -10,8 +10,8 @@ from jflash._src.backends.mosaic import backend as mosaic
 from jflash._src.backends.triton import backend as triton
 from jflash._src.backends.triton import decode_backend
 
-registry.register(mosaic.BACKEND)
 registry.register(decode_backend.BACKEND)
+registry.register(mosaic.BACKEND)
 registry.register(triton.BACKEND)
 registry.register(xla.BACKEND)
 registry.register(cudnn.BACKEND)

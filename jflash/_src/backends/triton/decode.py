@@ -37,29 +37,43 @@ from jflash._src.spec import MaskSpec
 
 
 def _dense_tile(ref, k_start, *, block_k: int, head_dim: int, batch,
-                table_ref=None):
+                table_ref=None, kv_len=None):
   """Key/value rows [k_start, k_start + block_k) of a dense [S, H_p] ref
   (rows past S read 0)."""
-  del batch, table_ref
+  del batch, table_ref, kv_len
   return tiles.load_tile(ref, k_start, block_k, seq_len=ref.shape[0],
                          head_dim=head_dim)
 
 
 def _paged_tile(ref, k_start, *, block_k: int, head_dim: int, batch,
-                table_ref):
+                table_ref, kv_len):
   """The same rows of a paged cache: ref [P, page_size, H_p] of one kv
-  head, table_ref [B, max_pages] (page ids, not checked). block_k divides
-  the page size, so a tile never straddles two pages."""
-  page_size = ref.shape[1]
-  page = plgpu.load(table_ref.at[batch, lax.div(k_start, page_size)])
-  start = lax.rem(k_start, page_size)
-  head_dim_p = ref.shape[-1]
-  idx = (page, pl.ds(start, block_k), slice(None))
-  if head_dim == head_dim_p:
-    return plgpu.load(ref.at[idx])
+  head, table_ref [B, max_pages] (page ids, not checked).
+
+  When block_k divides the page size a tile lies in one page: one page id
+  and a contiguous load. Otherwise (small pages) the tile gathers its rows
+  from the pages they lie in; rows past the sequence's length are not read
+  (their table entries may not name a page yet) and come in as zeros.
+  """
+  page_size, head_dim_p = ref.shape[1], ref.shape[-1]
   columns = jnp.arange(head_dim_p, dtype=jnp.int32) < head_dim
-  return plgpu.load(ref.at[idx], other=0.0, mask=jnp.broadcast_to(
-      columns[None, :], (block_k, head_dim_p)))
+  if page_size % block_k == 0:
+    page = plgpu.load(table_ref.at[batch, lax.div(k_start, page_size)])
+    idx = (page, pl.ds(lax.rem(k_start, page_size), block_k), slice(None))
+    if head_dim == head_dim_p:
+      return plgpu.load(ref.at[idx])
+    return plgpu.load(ref.at[idx], other=0.0, mask=jnp.broadcast_to(
+        columns[None, :], (block_k, head_dim_p)))
+  rows = k_start + jnp.arange(block_k, dtype=jnp.int32)
+  valid = rows < kv_len
+  slots = jnp.minimum(lax.div(rows, page_size), table_ref.shape[1] - 1)
+  pages = plgpu.load(table_ref.at[batch, slots], mask=valid, other=0)
+  # Integer indices in every dimension (a gather; the interpreter takes no
+  # mix of slices and index arrays).
+  lanes = jnp.arange(head_dim_p, dtype=jnp.int32)[None, :]
+  return plgpu.load(
+      ref.at[pages[:, None], lax.rem(rows, page_size)[:, None], lanes],
+      other=0.0, mask=valid[:, None] & columns[None, :])
 
 
 def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
@@ -69,10 +83,10 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
                   positions_from_end: bool):
   split, batch = pl.program_id(0), pl.program_id(1)
   rows_padded = q_ref.shape[0]
+  kv_len = plgpu.load(lengths_ref.at[batch])
   load_tile = functools.partial(
       _dense_tile if table_ref is None else _paged_tile, block_k=block_k,
-      head_dim=head_dim, batch=batch, table_ref=table_ref)
-  kv_len = plgpu.load(lengths_ref.at[batch])
+      head_dim=head_dim, batch=batch, table_ref=table_ref, kv_len=kv_len)
   # Where token t sits: decode_attention puts it at L - T + t (q_len = T);
   # flash_attention's convention is masks.causal_offset's, with the
   # sequence's own query length.
@@ -136,7 +150,7 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
                 q_lengths=None, *, mask: MaskSpec,
                 scale: float, soft_cap: float | None, num_tokens: int,
                 group: int, num_splits: int, block_k: int, num_warps: int,
-                num_stages: int, interpret: bool,
+                num_stages: int, interpret: bool, out_dtype=jnp.float32,
                 positions_from_end: bool = True):
   """The split partials of decode attention.
 
@@ -154,15 +168,19 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
     scale, soft_cap: as flash_attention's.
     num_tokens, group: T and g.
     num_splits, block_k, num_warps, num_stages: launch configuration
-      (with pages, block_k divides the page size).
+      (with pages smaller than block_k, or not a multiple of it, a tile
+      gathers its rows from several pages).
     interpret: run through the Pallas interpreter.
+    out_dtype: the partial outputs' dtype (float32 to be combined; the
+      query dtype when one split's output is final).
     positions_from_end: token t sits at position L - q_len + t, for the
       window and ALiBi too (decode_attention); False: flash_attention's
       offsets (`masks.causal_offset`: L - q_len only for bottom-right
       causal).
 
   Returns:
-    (out float32 [P, B, K, M, H], lse2 float32 [P, B, K, M]) per split P;
+    (out [P, B, K, M, H] in out_dtype, lse2 float32 [P, B, K, M]) per
+    split P;
     rows that see nothing in a split have lse2 = -inf and out = 0.
   """
   batch, num_kv_heads, rows_padded, head_dim = q_packed.shape
@@ -215,7 +233,7 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
                        lambda s, b, h: (s, b, h, 0)),
       ],
       out_shape=[
-          sharding.output_struct((*parts, head_dim), jnp.float32, q_packed,
+          sharding.output_struct((*parts, head_dim), out_dtype, q_packed,
                                  key),
           sharding.output_struct(parts, jnp.float32, q_packed, key),
       ],
