@@ -37,6 +37,15 @@ import statistics
 import time
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+
+import jflash
+
 GPU_SETTINGS = dict(steps=100, batch=1, seq_len=32768, layers=2, dim=1024,
                     heads=16, kv_heads=4, vocab=64, learning_rate=1e-3,
                     dtype="bfloat16")
@@ -78,8 +87,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Trains, prints loss, tokens/s and memory; returns them."""
   args = parse_args(argv)
-  # JAX is imported here: fake CPU devices must be set before it starts.
-  import jax  # pylint: disable=g-import-not-at-top
+  # Before anything starts JAX's backends (importing jax does not).
   if args.cpu_devices:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
@@ -96,8 +104,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def init_params(key, args) -> dict[str, Any]:
   """Embedding (tied with the output), per layer attention and MLP."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   head_dim = args.dim // args.heads
   keys = iter(jax.random.split(key, 1 + 6 * args.layers))
   dense = lambda fan_in, fan_out: jax.random.normal(
@@ -117,8 +123,6 @@ def init_params(key, args) -> dict[str, Any]:
 
 def model(params, tokens, positions, *, args, attention):
   """Logits [B, T, vocab] of tokens [B, T] at global `positions` [T]."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   dtype = jnp.dtype(args.dtype)
   head_dim = args.dim // args.heads
   batch, seq = tokens.shape
@@ -158,7 +162,6 @@ def model(params, tokens, positions, *, args, attention):
 def copy_task_batch(rng, args):
   """Tokens whose second half repeats the first; next-token targets and a
   mask of the positions whose target is a copy (in positional order)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
   half = args.seq_len // 2
   first = rng.integers(1, args.vocab, size=(args.batch, half))
   tokens = np.concatenate([first, first], axis=1).astype(np.int32)
@@ -169,14 +172,7 @@ def copy_task_batch(rng, args):
 
 
 def train(args) -> dict[str, Any]:
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
 
-  import jflash  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
   num_devices = len(devices)

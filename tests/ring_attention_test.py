@@ -13,8 +13,11 @@ Load balancing, bad input and the one-GPU check need no devices and run in
 the suite's own process (the one-GPU check only with JFLASH_TEST_ON_GPU=1).
 """
 
+import contextlib
 import dataclasses
 import functools
+import importlib.util
+import io
 import math
 import os
 import subprocess
@@ -243,6 +246,22 @@ class RingAttentionTest(parameterized.TestCase):
     autodiff = temp(_autodiff_of_the_forward_loop, 8, 8 * shard)
     self.assertGreater(autodiff, 3 * ring_8)
 
+  def test_benchmark_script_runs(self):
+    # benchmarks/ring.py --tiny on 2 of the devices, one small length.
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                        "benchmarks", "ring.py")
+    spec = importlib.util.spec_from_file_location("benchmarks_ring", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    with contextlib.redirect_stdout(io.StringIO()) as output:
+      rows = benchmark.main(["--tiny", "--devices", "2", "--lengths", "128",
+                             "--layouts", "balanced"])
+    self.assertLen(rows, 3, msg=output.getvalue())  # Baseline, 2 strategies.
+    for row in rows:
+      self.assertIsNone(row["error"], msg=output.getvalue())
+      self.assertGreater(row["tflops_per_device"], 0.0)
+    self.assertIn("vs 1 GPU", output.getvalue())
+
 
 def _differentiable_partial(block, q, k, v, q_ids, kv_ids):
   """A block's (out, base-2 lse) through the XLA path, differentiable."""
@@ -257,7 +276,8 @@ def _autodiff_of_the_forward_loop(mesh):
 
   def local(q, k, v):
     call = api.describe(q, k, v, is_causal=True)
-    loop = ring._make_ring(call, axis_name=AXIS,  # pylint: disable=protected-access
+    # pylint: disable-next=protected-access
+    loop = ring._make_ring(call, axis_name=AXIS,
                            num_devices=mesh.shape[AXIS], balanced=False,
                            implementation="xla")
     out, _ = ring_loop.forward_loop(loop, q, k, v, None, None,
