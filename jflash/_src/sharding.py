@@ -29,9 +29,10 @@ layout table (`_LAYOUTS`) and one validation (`_mesh_axes`).
 
 Only the batch and head axes may be sharded. A device holds whole GQA
 groups: the head axes must divide the number of key/value heads. A sharded
-sequence raises ValueError pointing to context parallelism (ring attention,
-not in jflash yet); under "partitioned" the error surfaces when the call is
-compiled, as a JaxRuntimeError that carries the same message.
+sequence raises ValueError pointing to context parallelism
+(`jflash.ring_attention`, ring.py); under "partitioned" the error surfaces
+when the call is compiled, as a JaxRuntimeError that carries the same
+message.
 """
 
 from __future__ import annotations
@@ -115,10 +116,9 @@ def _mesh_axes(mesh, q_spec, k_spec, spec: CallSpec):
       raise ValueError(
           f"jflash.flash_attention: {name} is sharded along its sequence "
           f"axis ({length}, axis 1) over mesh axes {_axes(array_spec[1])}. "
-          "Sharding the sequence needs context parallelism (ring "
-          "attention), which jflash does not provide yet: shard the batch "
-          "and/or the heads, or replicate the sequence axis before the "
-          "call.")
+          "Sharding the sequence needs context parallelism: use "
+          "jflash.ring_attention (or ring_attention_local inside "
+          "shard_map), or shard only the batch and/or the heads here.")
     if _axes(array_spec[3]):
       raise ValueError(
           f"jflash.flash_attention: {name} is sharded along head_dim "
