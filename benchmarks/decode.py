@@ -196,13 +196,20 @@ def table(num_tokens, rng):
 
 
 def main():
+  global CASES, HEAD_DIM  # pylint: disable=global-statement
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--tokens", type=int, default=1)
+  parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
+  parser.add_argument("--cases", nargs="+", metavar="B,S,N,K",
+                      help="cases in place of the issue's (table, sweep)")
   parser.add_argument("--parts", nargs="+", default=["table", "sweep",
                                                       "route"],
                       choices=["table", "sweep", "route"])
   args = parser.parse_args()
-  print(jax.devices()[0].device_kind, jax.__version__)
+  HEAD_DIM = args.head_dim
+  if args.cases:
+    CASES = tuple(tuple(int(x) for x in c.split(",")) for c in args.cases)
+  print(jax.devices()[0].device_kind, jax.__version__, f"D={HEAD_DIM}")
   rng = np.random.default_rng(0)
   if "table" in args.parts:
     table(args.tokens, rng)
