@@ -55,10 +55,14 @@ def _inputs(seed=0, seq=T):
 
 
 def _segment_ids(seq=T):
-  """Packed sequences of different lengths per batch element, crossing
-  shard boundaries."""
-  return jnp.asarray(np.stack([np.arange(seq) // 23, np.arange(seq) // 11]),
-                     jnp.int32)
+  """(q ids, kv ids): packed sequences of different lengths per batch
+  element, crossing shard boundaries. In batch element 1 the keys of
+  segment 2 are relabeled, so its queries see no key on any device: their
+  rows must come out 0 (with sinks too), never NaN, as flash_attention's."""
+  q_ids = np.stack([np.arange(seq) // 23, np.arange(seq) // 11])
+  kv_ids = q_ids.copy()
+  kv_ids[1][kv_ids[1] == 2] = 99
+  return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
 
 
 def _mesh(devices, axis_type=AxisType.Auto):
@@ -80,10 +84,10 @@ def _value_and_grads(fn, dout):
 def _reference(seed, seq, is_causal, segments, sinks):
   """Single-device flash_attention (XLA path): output and gradients."""
   q, k, v, dout = _inputs(seed, seq)
-  ids = _segment_ids(seq) if segments else None
+  q_ids, kv_ids = _segment_ids(seq) if segments else (None, None)
   fn = lambda q, k, v, *s: jflash.flash_attention(
-      q, k, v, is_causal=is_causal, implementation="xla", q_segment_ids=ids,
-      kv_segment_ids=ids, sinks=s[0] if s else None)
+      q, k, v, is_causal=is_causal, implementation="xla",
+      q_segment_ids=q_ids, kv_segment_ids=kv_ids, sinks=s[0] if s else None)
   args = (q, k, v) + ((jnp.asarray(SINKS),) if sinks else ())
   return jax.jit(_value_and_grads(fn, dout))(*args)
 
@@ -102,18 +106,19 @@ class RingAttentionTest(parameterized.TestCase):
     """Ring attention of the inputs (permuted for the balanced layout)
     against flash_attention: output and every gradient."""
     q, k, v, dout = _inputs(0, seq)
-    ids = _segment_ids(seq) if segments else None
+    q_ids, kv_ids = _segment_ids(seq) if segments else (None, None)
     if layout == "balanced":
       into = lambda x: jflash.load_balance(x, devices)
       back = lambda x: jflash.load_unbalance(x, devices)
     else:
       into = back = lambda x: x
     mesh = _mesh(devices)
-    ring_ids = None if ids is None else into(ids)
+    if segments:
+      q_ids, kv_ids = into(q_ids), into(kv_ids)
     fn = lambda q, k, v, *s: jflash.ring_attention(
         q, k, v, mesh=mesh, axis_name=AXIS, is_causal=is_causal,
-        layout=layout, strategy=strategy, q_segment_ids=ring_ids,
-        kv_segment_ids=ring_ids, sinks=s[0] if s else None,
+        layout=layout, strategy=strategy, q_segment_ids=q_ids,
+        kv_segment_ids=kv_ids, sinks=s[0] if s else None,
         **({"implementation": "xla"} | options))
     args = tuple(map(into, (q, k, v))) + (
         (jnp.asarray(SINKS),) if sinks else ())
