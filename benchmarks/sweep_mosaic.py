@@ -1,10 +1,15 @@
-"""Times Mosaic GPU forward tiles side by side with cuDNN, in one process.
+"""Times Mosaic GPU tiles side by side with cuDNN, in one process.
 
 Usage (repo root, H100/H200):
   PYTHONPATH=. python3 benchmarks/sweep_mosaic.py [--shapes 1,8192,16,128]
+  PYTHONPATH=. python3 benchmarks/sweep_mosaic.py --backward
 
 One line per (shape, causal, tiles): forward ms, TFLOP/s and the ratio to
-cuDNN's forward measured in the same run, plus the compile time.
+cuDNN's forward measured in the same run, plus the compile time. With
+--backward: forward+backward through `jflash.flash_attention(...,
+block_sizes=MosaicBlockSizes(...))` with the default forward tiles and each
+candidate's backward tiles (BACKWARD_TILES), against cuDNN's forward+
+backward.
 """
 
 import argparse
@@ -21,6 +26,50 @@ from jflash._src.backends.mosaic.config import MosaicBlockSizes
 # (block_q, block_kv, num_stages)
 TILES = [(64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 128, 3), (128, 64, 2),
          (64, 256, 2)]
+# (block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv, backward_stages);
+# the first is the default.
+BACKWARD_TILES = [(64, 64, 64, 64, 3), (64, 64, 64, 64, 2),
+                  (64, 64, 64, 64, 4), (64, 128, 64, 64, 3),
+                  (64, 128, 64, 64, 2), (64, 64, 128, 64, 2),
+                  (64, 128, 128, 64, 2), (64, 64, 64, 128, 2)]
+
+
+def sweep_backward(shapes):
+  """fwd+bwd per backward tiling, as a ratio to cuDNN and the default."""
+  # pylint: disable-next=g-import-not-at-top
+  import jflash
+  for shape in shapes:
+    for causal in (False, True):
+      q, k, v, ct = bench.random_inputs(jax.random.key(0), shape,
+                                        jnp.bfloat16)
+      flop = bench.flops(shape, causal, "fwd+bwd")
+      cudnn = bench.make_step(bench.attention_fn("cudnn", causal),
+                              "fwd+bwd")
+      _, cudnn_s = bench.time_step(cudnn, (q, k, v, ct), 2, 5, 5)
+      print(f"{shape} causal={causal} fwd+bwd cudnn {cudnn_s * 1e3:.3f} ms "
+            f"{flop / cudnn_s / 1e12:.0f} TFLOP/s")
+      default = None
+      for tiles in BACKWARD_TILES:
+        name = "dq {}x{} dkv {}x{} s{}".format(*tiles)
+        try:
+          sizes = MosaicBlockSizes(
+              block_q_dq=tiles[0], block_kv_dq=tiles[1],
+              block_q_dkv=tiles[2], block_kv_dkv=tiles[3],
+              backward_stages=tiles[4])
+          sizes.check_fits(shape.head_dim, 2)
+          attn = functools.partial(jflash.flash_attention, is_causal=causal,
+                                   implementation="mosaic",
+                                   block_sizes=sizes)
+          step = bench.make_step(attn, "fwd+bwd")
+          first, per_call = bench.time_step(step, (q, k, v, ct), 2, 5, 5)
+          default = default or per_call
+          print(f"  {name}: {per_call * 1e3:.3f} ms "
+                f"{flop / per_call / 1e12:.0f} TFLOP/s "
+                f"{cudnn_s / per_call:.2f}x cuDNN, "
+                f"{default / per_call:.2f}x default "
+                f"(first call {first:.1f} s)")
+        except Exception as e:  # pylint: disable=broad-except
+          print(f"  {name}: {bench.short_error(e)}")
 
 
 def main():
@@ -31,7 +80,13 @@ def main():
                           "1,8192,16,256")])
   parser.add_argument("--tiles", nargs="+", default=None,
                       help="block_q,block_kv,stages triples")
+  parser.add_argument("--backward", action="store_true",
+                      help="sweep the backward tiles (BACKWARD_TILES)")
   args = parser.parse_args()
+  if args.backward:
+    print(jax.devices()[0].device_kind)
+    sweep_backward(args.shapes)
+    return
   tiles = TILES if args.tiles is None else [
       tuple(int(x) for x in t.split(",")) for t in args.tiles]
   print(jax.devices()[0].device_kind)
