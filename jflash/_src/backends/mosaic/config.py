@@ -84,15 +84,18 @@ class MosaicBlockSizes:
 
 def default_block_sizes(head_dim: int, itemsize: int = 2
                         ) -> MosaicBlockSizes:
-  """The tiles by head dim (H100, 2026-11-23, WORKSPACE_NOTES.md).
+  """The tiles by head dim (H100, 2026-11-23/24, WORKSPACE_NOTES.md).
 
   Forward: 64x128 with 2 stages (the best of the sweep at D=64 and 128),
-  64x64 at D=256 (only it fits). Backward: 64-row tiles everywhere
-  (tokamax's most frequent backward winner on H100), 3 stages, 2 at
-  D=256 where shared memory (227 KiB) runs out.
+  64x64 at D=256 (only it fits). Backward: 64-row tiles everywhere (wider
+  ones were 3-30% slower in the backward sweep at D=128); 2 stages at D=128
+  (1-2% faster than 3 or 4) and D=256 (shared memory allows no more), 3 at
+  D=64 (not swept).
   """
   if head_dim > 128:
     sizes = MosaicBlockSizes(block_kv=64, backward_stages=2)
+  elif head_dim > 64:
+    sizes = MosaicBlockSizes(backward_stages=2)
   else:
     sizes = MosaicBlockSizes()
   sizes.check_fits(head_dim, itemsize)
