@@ -5,7 +5,10 @@ setmaxnreg), so on CPU this is what checks them: each configuration is
 traced and lowered for the "cuda" platform, which builds the kernel's
 Mosaic GPU module (shapes, layouts, barriers, shared-memory budget) without
 a GPU. Their numerics are checked by the GPU suite (JFLASH_TEST_ON_GPU=1 on
-an H100 or H200: every kernel test runs with implementation="mosaic").
+an H100 or H200: every kernel test runs with implementation="mosaic"); on
+CPU, tests/mosaic_masking_test.py checks their masking and tiling
+numerically, with a model of their tile walks built from the helpers they
+call.
 """
 
 from absl.testing import absltest

@@ -49,7 +49,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from jflash._src import masks
 from jflash._src import numerics
 from jflash._src import sharding
 from jflash._src.backends.mosaic import pipeline
@@ -136,16 +135,17 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   dtype = q_ref.dtype
   block_rows = row_groups * block_q
 
+  block = pipeline.query_block(
+      mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
+      block_rows=block_rows, block_kv=block_kv)
   (batch, head, wg, block_start, q_len, kv_len, offset, steps_lo,
-   steps_hi) = pipeline.query_block(
-       mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
-       block_rows=block_rows, block_kv=block_kv)
+   steps_hi) = block
 
   slot_of = functools.partial(pipeline.slot_of, lo=steps_lo, stages=stages)
 
   def consumer(row_group, chunk: int):
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-    q_start = block_start + row_group * block_q
+    q_start = pipeline.row_group_start(block_start, row_group, block_q)
     q_tile, do_tile = q_smem.at[row_group], do_smem.at[row_group]
     plgpu.barrier_wait(q_ready.at[row_group])
     plgpu.barrier_wait(do_ready.at[row_group])
@@ -156,8 +156,7 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     row_ids = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0,
                                                layout=row_layout)
     lse = plgpu.load(lse_smem.at[row_group], layout=row_layout)
-    # Rows past q_len (whatever TMA read there): p = 0.
-    lse = jnp.where(row_ids < q_len, lse, jnp.inf)
+    lse = pipeline.valid_lse(lse, row_ids, q_len)
     delta = plgpu.load(delta_smem.at[row_group], layout=row_layout)
     rows = q_start + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0,
                                             layout=wgmma_layout)
@@ -183,8 +182,8 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                                              soft_cap=soft_cap)
       probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [0]))
       if kind == "masked":
-        seen = masks.visible(mask, rows, columns + kv_step * block_kv,
-                             kv_len, offset)
+        seen = pipeline.key_tile_visible(mask, rows, columns, kv_step,
+                                         block_kv, kv_len, offset)
         probs = jnp.where(seen, probs, 0.0)
       ds = _score_gradient(probs, capped, dp,
                            lax.broadcast_in_dim(delta, tile_shape, [0]))
@@ -200,8 +199,7 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 
     dq = plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32),
                            wgmma_layout)
-    own = masks.key_blocks(mask, q_start, block_q, block_kv, q_len, kv_len,
-                           offset).runs()
+    own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv)
     for lo, hi, kind in pipeline.consumer_runs(own, steps_lo, steps_hi):
       dq = lax.fori_loop(lo, hi, functools.partial(step, kind=kind), dq)
 
@@ -225,12 +223,13 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   @pl.when(wg == PRODUCER)
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-    kv_head = lax.div(head, jnp.int32(group))
+    kv_head = pipeline.kv_head_of(head, group)
     load_rows = pipeline.query_loader(
         q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem, do_smem,
         delta_smem, q_ready, do_ready, batch=batch, block_q=block_q)
     for row_group in range(row_groups):
-      load_rows(head, block_start + row_group * block_q, row_group)
+      load_rows(head, pipeline.row_group_start(block_start, row_group,
+                                               block_q), row_group)
 
     load = pipeline.key_value_loader(
         k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, batch=batch,
@@ -251,26 +250,15 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   dtype = q_ref.dtype
   block_rows = row_groups * block_kv
 
-  batch = lax.axis_index("batch")
-  kv_head = lax.axis_index("heads")
-  wg = lax.axis_index("wg")
-  # Causal: the first key tiles see the most query tiles, and come first.
-  block_start = lax.axis_index("kv_tiles") * block_rows
-
-  q_len, kv_len = pipeline.lengths(mask, q_lengths_ref, kv_lengths_ref,
-                                   batch, q_seq, kv_seq)
-  offset = masks.causal_offset(mask, q_len, kv_len)
-  union = masks.query_blocks(mask, block_start, block_rows, block_q, q_len,
-                             kv_len, offset).runs()
-  tiles_lo = pipeline.as_int32(union[0][0])
-  tiles_hi = jnp.maximum(pipeline.as_int32(union[-1][1]), tiles_lo)
-  # Steps: (head of the group, query tile in [tiles_lo, tiles_hi)).
-  tiles_per_head = tiles_hi - tiles_lo
-  num_steps = tiles_per_head * group
+  block = pipeline.key_block(
+      mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
+      block_rows=block_rows, block_q=block_q, group=group)
+  (batch, kv_head, wg, block_start, q_len, kv_len, offset, tiles_lo,
+   tiles_hi, tiles_per_head, num_steps) = block
 
   def consumer(row_group, chunk: int):
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-    k_start = block_start + row_group * block_kv
+    k_start = pipeline.row_group_start(block_start, row_group, block_kv)
     k_tile, v_tile = k_smem.at[row_group], v_smem.at[row_group]
     plgpu.barrier_wait(kv_ready.at[row_group])
 
@@ -287,8 +275,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 
     def step(q_tile_index, carry, *, head_step, kind: str):
       dk, dv = carry
-      slot = lax.rem(head_step * tiles_per_head + (q_tile_index - tiles_lo),
-                     stages)
+      slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
       plgpu.barrier_wait(q_ready.at[slot])
       if kind == "skip":
         plgpu.barrier_wait(do_ready.at[slot])
@@ -303,14 +290,13 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 
       s_t = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
       lse = plgpu.load(lse_smem.at[slot], layout=column_layout)
-      # Rows past q_len (whatever TMA read there): p = 0.
-      lse = jnp.where(q_start + query_vector < q_len, lse, jnp.inf)
+      lse = pipeline.valid_lse(lse, q_start + query_vector, q_len)
       logits, capped = numerics.logits_base2(s_t, scale=scale,
                                              soft_cap=soft_cap)
       probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [1]))
       if kind == "masked":
-        seen = masks.visible(mask, query_offsets + q_start, key_ids, kv_len,
-                             offset)
+        seen = pipeline.query_tile_visible(mask, query_offsets, q_start,
+                                           key_ids, kv_len, offset)
         probs = jnp.where(seen, probs, 0.0)
 
       plgpu.barrier_wait(do_ready.at[slot])
@@ -337,8 +323,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
       plgpu.barrier_arrive(consumed.at[slot])
       return dk, dv
 
-    own = masks.query_blocks(mask, k_start, block_kv, block_q, q_len, kv_len,
-                             offset).runs()
+    own = pipeline.query_tiles(mask, block, k_start, block_kv, block_q)
     own = pipeline.consumer_runs(own, tiles_lo, tiles_hi)
 
     def head_loop(head_step, carry):
@@ -378,7 +363,8 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     for row_group in range(row_groups):
-      rows = (batch, pl.ds(block_start + row_group * block_kv, block_kv),
+      rows = (batch, pl.ds(pipeline.row_group_start(block_start, row_group,
+                                                    block_kv), block_kv),
               kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[row_group],
                               kv_ready.at[row_group])
@@ -390,9 +376,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
         delta_smem, q_ready, do_ready, batch=batch, block_q=block_q)
 
     def load(step, slot):
-      per_head = jnp.maximum(tiles_per_head, 1)
-      load_rows(kv_head * group + lax.div(step, per_head),
-                (tiles_lo + lax.rem(step, per_head)) * block_q, slot)
+      load_rows(*pipeline.group_step_rows(step, block, group, block_q), slot)
 
     pipeline.produce(load, 0, num_steps, stages, (consumed,))
 

@@ -45,7 +45,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from jflash._src import masks
 from jflash._src import numerics
 from jflash._src import sharding
 from jflash._src.backends.mosaic import pipeline
@@ -87,10 +86,11 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
   dtype = q_ref.dtype
   block_rows = COMPUTE_WARPGROUPS * block_q
 
+  block = pipeline.query_block(
+      mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
+      block_rows=block_rows, block_kv=block_kv)
   (batch, head, wg, block_start, q_len, kv_len, offset, steps_lo,
-   steps_hi) = pipeline.query_block(
-       mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
-       block_rows=block_rows, block_kv=block_kv)
+   steps_hi) = block
 
   slot_of = functools.partial(pipeline.slot_of, lo=steps_lo, stages=stages)
 
@@ -101,7 +101,7 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
   @pl.when(wg < COMPUTE_WARPGROUPS)
   def _consumer():
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-    q_start = block_start + wg * block_q
+    q_start = pipeline.row_group_start(block_start, wg, block_q)
     q_tile = qo_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head],
                             q_tile, q_ready.at[wg])
@@ -147,8 +147,8 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
       else:
         logits, _ = numerics.logits_base2(s, scale=scale, soft_cap=soft_cap)
         if kind == "masked":
-          seen = masks.visible(mask, rows, columns + kv_step * block_kv,
-                               kv_len, offset)
+          seen = pipeline.key_tile_visible(mask, rows, columns, kv_step,
+                                           block_kv, kv_len, offset)
           logits = jnp.where(seen, logits, numerics.MASK_VALUE)
         new_max = jnp.maximum(row_max, logits.max(axis=1))
         probs = jnp.exp2(logits - lax.broadcast_in_dim(new_max, tile_shape,
@@ -185,8 +185,7 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
         plgpu.layout_cast(jnp.full((block_q,), start_sum, jnp.float32),
                           row_layout),
     )
-    own = masks.key_blocks(mask, q_start, block_q, block_kv, q_len, kv_len,
-                           offset).runs()
+    own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv)
     # The second consumer starts one turn later: from then on the two
     # alternate between matrix products and softmax.
     pl.when(wg == 1)(take_turn)
@@ -219,7 +218,7 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     load = pipeline.key_value_loader(
         k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, batch=batch,
-        kv_head=lax.div(head, jnp.int32(group)), block_kv=block_kv)
+        kv_head=pipeline.kv_head_of(head, group), block_kv=block_kv)
     pipeline.produce(load, steps_lo, steps_hi, stages,
                      (k_consumed, v_consumed))
 

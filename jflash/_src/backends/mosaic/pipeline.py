@@ -6,6 +6,14 @@ fills the first `stages` slots at once, then refills a slot as soon as
 every compute warpgroup has released it (arrived on its "consumed"
 barrier). The consumers wait on the slot's "ready" barrier(s), which the
 TMA copies complete, and walk the same steps (`consumer_runs`).
+
+Every decision about which tiles and rows a warpgroup works on (block and
+row-group positions, its runs of tiles and their kinds, the element-wise
+masks, the rows whose lse is dropped, the dK/dV ring's slots and loads) is
+a helper here rather than inline in a kernel: tests/mosaic_masking_test.py
+walks the kernels' tiles on CPU with these same helpers and checks the
+result numerically (no interpreter runs the kernels). Keep new decisions
+here too.
 """
 
 from __future__ import annotations
@@ -166,6 +174,119 @@ def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
   return QueryBlock(batch=batch, head=head, warpgroup=warpgroup,
                     start=start, q_len=q_len, kv_len=kv_len, offset=offset,
                     steps_lo=steps_lo, steps_hi=steps_hi)
+
+
+def row_group_start(block_start, row_group, rows: int):
+  """First row of row group `row_group` (`rows` rows each) of a block that
+  starts at `block_start`: a compute warpgroup's rows."""
+  return block_start + row_group * rows
+
+
+def kv_head_of(head, group: int):
+  """The key/value head of query head `head` (GQA groups of `group`)."""
+  return lax.div(head, jnp.int32(group))
+
+
+def key_tiles(mask: MaskSpec, block: QueryBlock, q_start, block_q: int,
+              block_kv: int):
+  """The `masks` runs [(lo, hi, needs_mask)] of the key tiles of the row
+  group of `block_q` rows at `q_start` (forward and dQ; `consumer_runs`
+  clips them to the block's [steps_lo, steps_hi))."""
+  return masks.key_blocks(mask, q_start, block_q, block_kv, block.q_len,
+                          block.kv_len, block.offset).runs()
+
+
+def key_tile_visible(mask: MaskSpec, rows, columns, kv_step, block_kv: int,
+                     kv_len, offset):
+  """The element-wise mask of key tile `kv_step` (forward and dQ): `rows`
+  absolute query positions, `columns` positions within the tile."""
+  return masks.visible(mask, rows, columns + kv_step * block_kv, kv_len,
+                       offset)
+
+
+def valid_lse(lse, rows, q_len):
+  """The lse of query rows before q_len, +inf past it (whatever TMA read
+  there), so that their probabilities are 0 (backward kernels)."""
+  return jnp.where(rows < q_len, lse, jnp.inf)
+
+
+class KeyBlock(NamedTuple):
+  """A block of key rows of the dK/dV kernel as one of its warpgroups sees
+  it, and its walk: for each of the `group` query heads of its kv head, the
+  query tiles [tiles_lo, tiles_hi) any of its keys is visible to (the
+  producer's), `num_steps` steps in all."""
+
+  batch: jax.Array
+  kv_head: jax.Array
+  warpgroup: jax.Array
+  start: jax.Array
+  q_len: jax.Array | int
+  kv_len: jax.Array | int
+  offset: jax.Array | int
+  tiles_lo: jax.Array
+  tiles_hi: jax.Array
+  tiles_per_head: jax.Array
+  num_steps: jax.Array
+
+
+def key_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *, q_seq: int,
+              kv_seq: int, block_rows: int, block_q: int,
+              group: int) -> KeyBlock:
+  """This block's position, lengths and query tiles (grid axes
+  "kv_tiles", "heads" (kv heads), "batch"; thread axis "wg")."""
+  batch = lax.axis_index("batch")
+  kv_head = lax.axis_index("heads")
+  warpgroup = lax.axis_index("wg")
+  # Causal: the first key tiles see the most query tiles, and come first.
+  start = lax.axis_index("kv_tiles") * block_rows
+  q_len, kv_len = lengths(mask, q_lengths_ref, kv_lengths_ref, batch, q_seq,
+                          kv_seq)
+  offset = masks.causal_offset(mask, q_len, kv_len)
+  union = masks.query_blocks(mask, start, block_rows, block_q, q_len, kv_len,
+                             offset).runs()
+  tiles_lo = as_int32(union[0][0])
+  tiles_hi = jnp.maximum(as_int32(union[-1][1]), tiles_lo)
+  # Steps: (head of the group, query tile in [tiles_lo, tiles_hi)).
+  tiles_per_head = tiles_hi - tiles_lo
+  return KeyBlock(batch=batch, kv_head=kv_head, warpgroup=warpgroup,
+                  start=start, q_len=q_len, kv_len=kv_len, offset=offset,
+                  tiles_lo=tiles_lo, tiles_hi=tiles_hi,
+                  tiles_per_head=tiles_per_head,
+                  num_steps=tiles_per_head * group)
+
+
+def query_tiles(mask: MaskSpec, block: KeyBlock, k_start, block_kv: int,
+                block_q: int):
+  """The `masks` runs [(lo, hi, needs_mask)] of the query tiles of the row
+  group of `block_kv` keys at `k_start` (dK/dV; `consumer_runs` clips them
+  to the block's [tiles_lo, tiles_hi))."""
+  return masks.query_blocks(mask, k_start, block_kv, block_q, block.q_len,
+                            block.kv_len, block.offset).runs()
+
+
+def query_tile_visible(mask: MaskSpec, query_offsets, q_start, key_ids,
+                       kv_len, offset):
+  """The element-wise mask of a transposed tile (dK/dV: rows are keys,
+  columns queries): `query_offsets` positions within the query tile at
+  `q_start`, `key_ids` absolute key positions."""
+  return masks.visible(mask, query_offsets + q_start, key_ids, kv_len,
+                       offset)
+
+
+def group_slot(head_step, q_tile_index, block: KeyBlock, stages: int):
+  """The ring slot of the dK/dV consumers' step (head `head_step` of the
+  group, query tile `q_tile_index`): that of the producer's step
+  head_step * tiles_per_head + (q_tile_index - tiles_lo)."""
+  return lax.rem(head_step * block.tiles_per_head
+                 + (q_tile_index - block.tiles_lo), stages)
+
+
+def group_step_rows(step, block: KeyBlock, group: int, block_q: int):
+  """(query head, first query row) of the tiles the dK/dV producer loads at
+  step `step` of [0, num_steps)."""
+  per_head = jnp.maximum(block.tiles_per_head, 1)
+  return (block.kv_head * group + lax.div(step, per_head),
+          (block.tiles_lo + lax.rem(step, per_head)) * block_q)
 
 
 def launch(kernel, scratch, *, out_type, grid, grid_names, num_threads: int,

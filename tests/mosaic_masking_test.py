@@ -1,0 +1,865 @@
+"""The Mosaic kernels' masking and tiling, checked numerically on CPU.
+
+No interpreter runs the Mosaic GPU kernels (Pallas' Mosaic GPU interpreter
+has no case for their register-operand wgmma and their accumulators carried
+through `run_state`), and tests/mosaic_lowering_test.py only lowers them. So
+this file runs a model of each kernel's tile walk, forward, dQ and dK/dV, in
+NumPy float64, and compares it with a dense float64 reference.
+
+The model takes every decision from the code the kernels run:
+
+- the launch (grid, padded operand shapes, the lse array's length) from the
+  kernels' own launches, traced on CPU (`_launches`);
+- per grid point and compute warpgroup, the block's position, lengths, the
+  producer's range of tiles and the consumer's runs ("skip", "full",
+  "masked") from the helpers the kernels call (`pipeline.query_block`,
+  `key_block`, `row_group_start`, `key_tiles`, `query_tiles`,
+  `consumer_runs`, `kv_head_of`), evaluated under named axes ("q_tiles",
+  "heads", "batch", "wg") as in the kernels;
+- per tile, the element-wise mask (`pipeline.key_tile_visible`,
+  `query_tile_visible`), the lse of rows past q_len (`valid_lse`), and in
+  the dK/dV kernel the ring (`group_slot` for the consumers,
+  `group_step_rows` for what the producer loads).
+
+What it computes from them is the kernels' arithmetic (online softmax in
+base 2 from the sink or MASK_VALUE, masked logits and probabilities on
+"masked" tiles only, nothing on "skip" tiles, empty rows: O = 0, lse2 =
++inf), with TMA's behaviour: loads past an array's end read zeros (a 1-D
+lse/delta load is bounded by the whole array, not by its row), stores past
+it are dropped, outputs start as NaN (uninitialized memory). It also checks
+the pipelines' protocol: each consumer walks exactly the producer's steps,
+and in the dK/dV ring reads each step from the producer's slot. Wrong run
+bounds, kinds, row offsets or ring slots make the results differ from the
+reference (`ModelSensitivityTest` breaks a few on purpose).
+
+What the model cannot see is the GPU code around those decisions (wgmma,
+barriers, layouts, ping-pong): the GPU suite checks it
+(JFLASH_TEST_ON_GPU=1), and the lowering test checks that it lowers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+from unittest import mock
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jflash._src import modifiers
+from jflash._src import numerics
+from jflash._src.backends.mosaic import backend as mosaic_backend
+from jflash._src.backends.mosaic import pipeline
+from jflash._src.backends.mosaic.config import MosaicBlockSizes
+from jflash._src.backends.mosaic.config import backward_warpgroup_split
+from jflash._src.backends.mosaic.forward import COMPUTE_WARPGROUPS
+from jflash._src.spec import CallSpec
+from jflash._src.spec import MaskSpec
+from jflash._src.spec import ModifierSpec
+from jflash._src.spec import Operands
+from tests import tolerances
+
+# Model and reference are both float64: the table's float32 floor is far
+# above their rounding and far below any masking error.
+TOLERANCE = tolerances.FLOOR["float32"]
+
+# TMA copies of 16-bit [rows, head_dim] tiles into the kernels' tiled shared
+# memory take rows in multiples of 8: the launches' sequence lengths must be
+# (forward.py pads them to SEQ_ALIGN).
+TMA_ROWS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One call: shapes [B, T, N, D] / [B, S, K, D] and its options."""
+
+  batch: int
+  q_len: int
+  kv_len: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mask: MaskSpec
+  soft_cap: float | None = None
+  sinks: bool = False
+  lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+  block_sizes: MosaicBlockSizes | None = None
+
+  @property
+  def group(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def scale(self) -> float:
+    return self.head_dim ** -0.5
+
+  def spec(self) -> CallSpec:
+    return CallSpec(
+        batch=self.batch, q_len=self.q_len, kv_len=self.kv_len,
+        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+        head_dim=self.head_dim, dtype="bfloat16", scale=self.scale,
+        mask=self.mask, logits_soft_cap=self.soft_cap,
+        modifiers=ModifierSpec(has_sinks=self.sinks))
+
+  def lengths_arrays(self):
+    """(q_lengths, kv_lengths) int32 [B] as the kernels read them (zeros,
+    unread, without lengths)."""
+    if self.lengths is None:
+      zeros = np.zeros((self.batch,), np.int32)
+      return zeros, zeros
+    return tuple(np.asarray(x, np.int32) for x in self.lengths)
+
+
+def _mask(is_causal=False, **options) -> MaskSpec:
+  return MaskSpec(is_causal=is_causal,
+                  has_lengths=options.pop("has_lengths", False), **options)
+
+
+# Lengths that are not multiples of the tiles (nor of TMA_ROWS), T < S and
+# T > S, default tiles unless stated (forward 64x128 at D <= 128, 64x64 at
+# D=256; backward 64x64).
+CASES = (
+    # Causal top-left, T < S, GQA (2 kv heads of 2 query heads), soft cap.
+    ("causal_gqa_soft_cap",
+     Case(1, 100, 300, 4, 2, 128, _mask(True), soft_cap=20.0)),
+    # Bottom-right with T > S: rows 0-169 see no key, only their sink.
+    ("bottom_right_empty_rows_gqa_sinks",
+     Case(2, 300, 130, 2, 1, 64, _mask(True, bottom_right=True),
+          soft_cap=5.0, sinks=True)),
+    ("causal_window", Case(1, 260, 261, 2, 2, 64, _mask(True, window=(70, 0)))),
+    ("two_sided_window_gqa_lengths_sinks",
+     Case(2, 200, 250, 4, 1, 64, _mask(window=(50, 30), has_lengths=True),
+          sinks=True, lengths=((200, 64), (100, 250)))),
+    # Batch 1 has no keys, batch 2 no queries.
+    ("causal_lengths_empty",
+     Case(3, 200, 260, 4, 2, 64, _mask(True, has_lengths=True),
+          lengths=((200, 37, 0), (260, 0, 91)))),
+    ("bottom_right_window_lengths_sinks",
+     Case(2, 190, 270, 2, 2, 128,
+          _mask(True, bottom_right=True, window=(40, 10), has_lengths=True),
+          soft_cap=30.0, sinks=True, lengths=((150, 190), (270, 100)))),
+    # D=256: the backward's two warpgroups share one row tile, each
+    # accumulating half of the columns.
+    ("d256_gqa_causal_lengths",
+     Case(2, 140, 200, 4, 1, 256, _mask(True, has_lengths=True),
+          lengths=((140, 77), (200, 150)))),
+    ("no_mask_lengths_soft_cap",
+     Case(2, 70, 150, 2, 1, 64, _mask(has_lengths=True), soft_cap=10.0,
+          lengths=((70, 1), (150, 64)))),
+    # T > S with a deeper forward ring and 64-key tiles, 128-row backward
+    # tiles.
+    ("causal_t_gt_s_other_tiles",
+     Case(1, 325, 199, 2, 2, 128, _mask(True),
+          block_sizes=MosaicBlockSizes(
+              block_kv=64, num_stages=3, block_kv_dq=128, block_q_dkv=128,
+              backward_stages=2))),
+)
+
+
+def _inputs(case: Case, seed: int):
+  """q, k, v, dout (float64) and sinks [B, N] (natural log) or None."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal(
+      (case.batch, case.q_len, case.num_heads, case.head_dim))
+  k, v = (rng.standard_normal(
+      (case.batch, case.kv_len, case.num_kv_heads, case.head_dim))
+          for _ in range(2))
+  dout = rng.standard_normal(q.shape)
+  sinks = (2.0 * rng.standard_normal((case.batch, case.num_heads))
+           if case.sinks else None)
+  return q, k, v, dout, sinks
+
+
+# The dense reference (float64, written from MaskSpec's documentation).
+
+
+def _visible(case: Case):
+  """bool [B, 1, T, S]: row r sees key c."""
+  q_lens, kv_lens = ((np.full(case.batch, case.q_len),
+                      np.full(case.batch, case.kv_len))
+                     if case.lengths is None else case.lengths)
+  rows = np.arange(case.q_len)[:, None]
+  cols = np.arange(case.kv_len)[None, :]
+  mask = case.mask
+  result = []
+  for q_len, kv_len in zip(q_lens, kv_lens):
+    seen = (rows < q_len) & (cols < kv_len)
+    offset = kv_len - q_len if mask.is_causal and mask.bottom_right else 0
+    if mask.is_causal:
+      seen &= cols <= rows + offset
+    if mask.window is not None:
+      left, right = mask.window
+      seen &= (cols >= rows + offset - left) & (cols <= rows + offset + right)
+    result.append(seen)
+  return np.stack(result)[:, None]
+
+
+def _reference(case: Case, q, k, v, dout, sinks):
+  """(out, lse2 [B, N, T], dq, dk, dv, dsinks) of dense attention.
+
+  Rows that see no key and have no sink: out 0, lse2 +inf (the kernels'
+  convention); rows past q_len see nothing, not even their sink.
+  """
+  k, v = (np.repeat(x, case.group, axis=2) for x in (k, v))
+  scores = case.scale * np.einsum("btnd,bsnd->bnts", q, k)
+  if case.soft_cap is None:
+    logits, tanh = scores, None
+  else:
+    tanh = np.tanh(scores / case.soft_cap)
+    logits = case.soft_cap * tanh
+  visible = _visible(case)
+  row_max = np.max(np.where(visible, logits, -np.inf), axis=-1)
+  if sinks is not None:
+    q_lens = (np.full(case.batch, case.q_len) if case.lengths is None
+              else np.asarray(case.lengths[0]))
+    row_valid = np.arange(case.q_len)[None, None, :] < q_lens[:, None, None]
+    row_max = np.maximum(row_max, np.where(row_valid, sinks[..., None],
+                                           -np.inf))
+  row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+  exps = np.where(visible, np.exp(logits - row_max[..., None]), 0.0)
+  sink_exp = 0.0
+  if sinks is not None:
+    sink_exp = np.where(row_valid, np.exp(sinks[..., None] - row_max), 0.0)
+  total = exps.sum(-1) + sink_exp
+  has_keys = total > 0
+  safe_total = np.where(has_keys, total, 1.0)
+  probs = exps / safe_total[..., None]
+  lse2 = np.where(has_keys, (row_max + np.log(safe_total)) * numerics.LOG2_E,
+                  np.inf)
+  out = np.einsum("bnts,bsnd->btnd", probs, v)
+
+  delta = np.einsum("btnd,btnd->bnt", dout, out)
+  dprobs = np.einsum("btnd,bsnd->bnts", dout, v)
+  dlogits = probs * (dprobs - delta[..., None])
+  if tanh is not None:
+    dlogits = dlogits * (1.0 - tanh * tanh)
+  dq = case.scale * np.einsum("bnts,bsnd->btnd", dlogits, k)
+  fold = lambda x: x.reshape(x.shape[:2] + (case.num_kv_heads, case.group,
+                                            case.head_dim)).sum(3)
+  dk = fold(case.scale * np.einsum("bnts,btnd->bsnd", dlogits, q))
+  dv = fold(np.einsum("bnts,btnd->bsnd", probs, dout))
+  dsinks = None
+  if sinks is not None:
+    dsinks = -np.sum(sink_exp / safe_total * delta, axis=-1)
+  return out, lse2, dq, dk, dv, dsinks
+
+
+# The kernels' launches, traced on CPU.
+
+
+class Launch(NamedTuple):
+  """A Mosaic GPU kernel launch: its grid, threads and operand shapes."""
+
+  grid: tuple[int, ...]
+  grid_names: tuple[str, ...]
+  num_threads: int
+  in_shapes: tuple[tuple[int, ...], ...]
+  out_shapes: tuple[tuple[int, ...], ...]
+
+
+def _launches(fn, *args) -> list[Launch]:
+  """The Mosaic GPU kernel launches of fn(*args) in trace order (traced,
+  nothing lowered)."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "mpmd_map":
+        (mesh,) = eqn.params["meshes"]
+        found.append(Launch(
+            grid=tuple(mesh.grid), grid_names=tuple(mesh.grid_names),
+            num_threads=mesh.num_threads,
+            in_shapes=tuple(v.aval.shape for v in eqn.invars),
+            out_shapes=tuple(a.shape for a in eqn.params["out_avals"])))
+        continue
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else (param,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  if not found:
+    raise AssertionError("no Mosaic GPU kernel launch in the trace (did "
+                         "plgpu.kernel stop tracing to mpmd_map?)")
+  return found
+
+
+@functools.cache
+def _kernel_launches(case: Case, sizes: MosaicBlockSizes):
+  """(forward, dQ, dK/dV) launches of the backend for `case`."""
+  spec = case.spec()
+  config = mosaic_backend.configure(spec, {"block_sizes": sizes})
+  b, t, s, n, kh, d = (case.batch, case.q_len, case.kv_len, case.num_heads,
+                       case.num_kv_heads, case.head_dim)
+  q = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, s, kh, d), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+  stats = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
+  sinks = jax.ShapeDtypeStruct((b, n), jnp.float32)
+
+  def operands(q, k, v, q_lengths, kv_lengths, sinks):
+    ops = Operands(query=q, key=k, value=v,
+                   sinks=sinks if case.sinks else None)
+    if case.mask.has_lengths:
+      ops = ops.replace(q_lengths=q_lengths, kv_lengths=kv_lengths)
+    return ops
+
+  args = (q, kv, kv, lengths, lengths, sinks)
+  (forward,) = _launches(
+      lambda *a: mosaic_backend.forward(spec, config, operands(*a)), *args)
+  dq, dkv = _launches(
+      lambda *a: mosaic_backend.backward(spec, config, operands(*a[:6]),
+                                         a[6], a[7], a[8]),
+      *args, q, stats, q)
+  return forward, dq, dkv
+
+
+# The kernels' decisions, from the helpers they call.
+
+
+def _compute_warpgroups(launch: Launch) -> int:
+  """The launch's compute warpgroups: all threads but the producer (the
+  last)."""
+  return launch.num_threads - 1
+
+
+def _over_grid(fn, launch: Launch):
+  """fn(*args) once per grid point and compute warpgroup (named axes as in
+  the kernel, "wg" innermost), results stacked [*grid, warpgroups]."""
+  axes = [("wg", _compute_warpgroups(launch)),
+          *reversed(list(zip(launch.grid_names, launch.grid)))]
+  for name, size in axes:
+    fn = jax.vmap(fn, in_axes=None, axis_name=name, axis_size=size)
+  return fn
+
+
+def _roles(warpgroup, chunks: int):
+  """(row group, column chunk) of a backward compute warpgroup, as
+  `backward._for_each_compute_warpgroup` assigns them."""
+  if chunks == 1:
+    return warpgroup, jnp.int32(0)
+  return lax.div(warpgroup, chunks), lax.rem(warpgroup, chunks)
+
+
+def _int32(tree):
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.int32), tree)
+
+
+def _decisions(case: Case, sizes: MosaicBlockSizes, launches):
+  """Every grid point's decisions of the three kernels, as NumPy arrays
+  [*grid, warpgroup], and the (static) kinds of their runs."""
+  mask, q_seq, kv_seq, group = (case.mask, case.q_len, case.kv_len,
+                                case.group)
+  forward_launch, dq_launch, dkv_launch = launches
+  row_groups, chunks = backward_warpgroup_split(case.head_dim)
+  kinds = {}
+
+  def runs_of(name, runs):
+    kinds[name] = tuple(kind for _, _, kind in runs)
+    return [(lo, hi) for lo, hi, _ in runs]
+
+  def forward(q_lengths, kv_lengths):
+    block = pipeline.query_block(
+        mask, q_lengths, kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
+        block_rows=COMPUTE_WARPGROUPS * sizes.block_q,
+        block_kv=sizes.block_kv)
+    q_start = pipeline.row_group_start(block.start, block.warpgroup,
+                                       sizes.block_q)
+    own = pipeline.key_tiles(mask, block, q_start, sizes.block_q,
+                             sizes.block_kv)
+    runs = pipeline.consumer_runs(own, block.steps_lo, block.steps_hi)
+    return _int32(dict(
+        block._asdict(), q_start=q_start, chunk=0,
+        kv_head=pipeline.kv_head_of(block.head, group),
+        runs=runs_of("forward", runs)))
+
+  def dq(q_lengths, kv_lengths):
+    block = pipeline.query_block(
+        mask, q_lengths, kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
+        block_rows=row_groups * sizes.block_q_dq,
+        block_kv=sizes.block_kv_dq)
+    row_group, chunk = _roles(block.warpgroup, chunks)
+    q_start = pipeline.row_group_start(block.start, row_group,
+                                       sizes.block_q_dq)
+    own = pipeline.key_tiles(mask, block, q_start, sizes.block_q_dq,
+                             sizes.block_kv_dq)
+    runs = pipeline.consumer_runs(own, block.steps_lo, block.steps_hi)
+    return _int32(dict(
+        block._asdict(), q_start=q_start, chunk=chunk,
+        kv_head=pipeline.kv_head_of(block.head, group),
+        runs=runs_of("dq", runs)))
+
+  num_q_tiles = -(-q_seq // sizes.block_q_dkv)
+
+  def dkv(q_lengths, kv_lengths):
+    block = pipeline.key_block(
+        mask, q_lengths, kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
+        block_rows=row_groups * sizes.block_kv_dkv,
+        block_q=sizes.block_q_dkv, group=group)
+    row_group, chunk = _roles(block.warpgroup, chunks)
+    k_start = pipeline.row_group_start(block.start, row_group,
+                                       sizes.block_kv_dkv)
+    own = pipeline.query_tiles(mask, block, k_start, sizes.block_kv_dkv,
+                               sizes.block_q_dkv)
+    runs = pipeline.consumer_runs(own, block.tiles_lo, block.tiles_hi)
+    # The ring: the consumers' slot of each (head of the group, query
+    # tile); what the producer loads at each step, and where: `produce`
+    # puts step i of [0, num_steps) in slot i for the first `stages`, then
+    # in slot_of(i), which is the same.
+    stages = sizes.backward_stages
+    slots = jax.vmap(jax.vmap(
+        lambda head_step, tile: pipeline.group_slot(head_step, tile, block,
+                                                    stages),
+        in_axes=(None, 0)), in_axes=(0, None))(
+            jnp.arange(group, dtype=jnp.int32),
+            jnp.arange(num_q_tiles, dtype=jnp.int32))
+    steps = jnp.arange(group * num_q_tiles, dtype=jnp.int32)
+    loads = jax.vmap(lambda step: (
+        *pipeline.group_step_rows(step, block, group, sizes.block_q_dkv),
+        pipeline.slot_of(step, 0, stages)))(steps)
+    return _int32(dict(
+        block._asdict(), k_start=k_start, chunk=chunk,
+        runs=runs_of("dkv", runs), slots=slots, loads=loads))
+
+  @jax.jit
+  def decide(q_lengths, kv_lengths):
+    return tuple(_over_grid(fn, launch)(q_lengths, kv_lengths)
+                 for fn, launch in ((forward, forward_launch),
+                                    (dq, dq_launch), (dkv, dkv_launch)))
+
+  decisions = jax.device_get(decide(*case.lengths_arrays()))
+  return decisions, kinds
+
+
+def _at(decisions, index):
+  """One grid point's decisions: Python ints, arrays for the tables."""
+
+  def pick(x):
+    x = np.asarray(x)[index]
+    return int(x) if x.ndim == 0 else x
+
+  return jax.tree.map(pick, decisions)
+
+
+def _grid_points(launch: Launch):
+  return np.ndindex(*launch.grid, _compute_warpgroups(launch))
+
+
+# TMA, as the model sees it.
+
+
+def _load_rows(x, start: int, rows: int):
+  """x[start:start + rows] ([L, ...]), zeros outside [0, L)."""
+  out = np.zeros((rows,) + x.shape[1:])
+  lo, hi = max(start, 0), min(start + rows, x.shape[0])
+  if lo < hi:
+    out[lo - start:hi - start] = x[lo:hi]
+  return out
+
+
+def _store_rows(dst, start: int, values):
+  """dst[start:start + len(values)] = values, rows outside dst dropped."""
+  lo, hi = max(start, 0), min(start + len(values), dst.shape[0])
+  if lo < hi:
+    dst[lo:hi] = values[lo - start:hi - start]
+
+
+def _load_stats(stats, batch: int, head: int, start: int, rows: int):
+  """A 1-D copy of stats[batch, head, start:start + rows] ([B, N, L]):
+  bounded by the whole array, so past L it reads the next head's rows."""
+  flat = stats.reshape(-1)
+  index = (batch * stats.shape[1] + head) * stats.shape[2] + start
+  return _load_rows(flat, index, rows)
+
+
+def _numpy(x):
+  return np.asarray(x)
+
+
+# The model: the three kernels' tile walks.
+
+
+def _logits2(case: Case, scores):
+  """Base-2 logits and tanh (numerics.logits_base2, in float64)."""
+  if case.soft_cap is None:
+    return scores * (case.scale * numerics.LOG2_E), None
+  tanh = np.tanh(scores * (case.scale / case.soft_cap))
+  return tanh * (case.soft_cap * numerics.LOG2_E), tanh
+
+
+def _key_tile_masks(mask: MaskSpec, block_q: int, block_kv: int):
+  """seen(q_start, kv_step, kv_len, offset): `key_tile_visible` of a row
+  group's key tile, as NumPy (memoized: heads and warpgroups share them)."""
+  rows = np.arange(block_q)[:, None]
+  columns = np.arange(block_kv)[None, :]
+
+  @functools.cache
+  def seen(q_start, kv_step, kv_len, offset):
+    return _numpy(pipeline.key_tile_visible(
+        mask, q_start + rows, columns, kv_step, block_kv, kv_len, offset))
+
+  return seen
+
+
+def _check_walk(test, point, runs, lo: int, hi: int):
+  """A consumer steps through exactly the producer's steps [lo, hi)."""
+  walked = [step for run_lo, run_hi in runs
+            for step in range(run_lo, run_hi)]
+  test.assertEqual(walked, list(range(lo, hi)),
+                   msg=f"consumer {point}: runs {runs} do not walk the "
+                       f"producer's steps [{lo}, {hi})")
+
+
+def _model_forward(test, case: Case, sizes, launch: Launch, decisions,
+                   kinds, q, k, v, sinks):
+  """(out [B, T, N, D], lse2 [B, N, T]) of the forward kernel's walk."""
+  mask = case.mask
+  block_q, block_kv = sizes.block_q, sizes.block_kv
+  padded_q, padded_k = launch.in_shapes[0], launch.in_shapes[1]
+  q = np.pad(q, [(0, 0), (0, padded_q[1] - case.q_len), (0, 0), (0, 0)])
+  k, v = (np.pad(x, [(0, 0), (0, padded_k[1] - case.kv_len), (0, 0),
+                     (0, 0)]) for x in (k, v))
+  out = np.full(launch.out_shapes[0], np.nan)
+  lse = np.full(launch.out_shapes[1], np.nan)
+  tile_rows = np.arange(block_q)
+  seen_of = _key_tile_masks(mask, block_q, block_kv)
+  for point in _grid_points(launch):
+    d = _at(decisions, point)
+    b, h, kh, q_start = d["batch"], d["head"], d["kv_head"], d["q_start"]
+    _check_walk(test, point, d["runs"], d["steps_lo"], d["steps_hi"])
+    q_tile = _load_rows(q[b, :, h], q_start, block_q)
+    rows = q_start + tile_rows[:, None]
+    acc = np.zeros((block_q, case.head_dim))
+    row_max = np.full(block_q, numerics.MASK_VALUE)
+    row_sum = np.zeros(block_q)
+    if sinks is not None:
+      row_max[:], row_sum[:] = sinks[b, h] * numerics.LOG2_E, 1.0
+    for (lo, hi), kind in zip(d["runs"], kinds):
+      for step in range(lo, hi):
+        if kind == "skip":
+          continue
+        k_tile = _load_rows(k[b, :, kh], step * block_kv, block_kv)
+        v_tile = _load_rows(v[b, :, kh], step * block_kv, block_kv)
+        logits, _ = _logits2(case, q_tile @ k_tile.T)
+        if kind == "masked":
+          seen = seen_of(q_start, step, d["kv_len"], d["offset"])
+          logits = np.where(seen, logits, numerics.MASK_VALUE)
+        new_max = np.maximum(row_max, logits.max(axis=1))
+        probs = np.exp2(logits - new_max[:, None])
+        if kind == "masked":
+          probs = np.where(seen, probs, 0.0)
+        correction = np.exp2(row_max - new_max)
+        acc = acc * correction[:, None] + probs @ v_tile
+        row_sum = row_sum * correction + probs.sum(axis=1)
+        row_max = new_max
+    has_keys = (row_sum > 0.0) & (rows[:, 0] < d["q_len"])
+    safe_sum = np.where(has_keys, row_sum, 1.0)
+    _store_rows(out[b, :, h], q_start,
+                np.where(has_keys[:, None], acc / safe_sum[:, None], 0.0))
+    # A 1-D TMA store is bounded by the whole array: it must stay in its
+    # own row of the lse array, or it would write the next head's.
+    test.assertTrue(0 <= q_start and q_start + block_q <= lse.shape[2],
+                    msg=f"lse store of {point} leaves its row")
+    lse[b, h, q_start:q_start + block_q] = np.where(
+        has_keys, row_max + np.log2(safe_sum), np.inf)
+  return out[:, :case.q_len], lse[..., :case.q_len]
+
+
+def _model_dq(test, case: Case, sizes, launch: Launch, decisions, kinds, q,
+              k, v, dout, lse2, delta):
+  """dq [B, T, N, D] of the dQ kernel's walk."""
+  block_q, block_kv = sizes.block_q_dq, sizes.block_kv_dq
+  _, chunks = backward_warpgroup_split(case.head_dim)
+  width = case.head_dim // chunks
+  q, dout, k, v, lse2, delta = _padded_backward_inputs(
+      case, launch, q, dout, k, v, lse2, delta)
+  dq = np.full(launch.out_shapes[0], np.nan)
+  tile_rows = np.arange(block_q)
+  seen_of = _key_tile_masks(case.mask, block_q, block_kv)
+  for point in _grid_points(launch):
+    d = _at(decisions, point)
+    b, h, kh, q_start = d["batch"], d["head"], d["kv_head"], d["q_start"]
+    chunk = slice(d["chunk"] * width, (d["chunk"] + 1) * width)
+    _check_walk(test, point, d["runs"], d["steps_lo"], d["steps_hi"])
+    q_tile = _load_rows(q[b, :, h], q_start, block_q)
+    do_tile = _load_rows(dout[b, :, h], q_start, block_q)
+    row_ids = q_start + tile_rows
+    lse = _numpy(pipeline.valid_lse(
+        _load_stats(lse2, b, h, q_start, block_q), row_ids, d["q_len"]))
+    row_delta = _load_stats(delta, b, h, q_start, block_q)
+    acc = np.zeros((block_q, width))
+    for (lo, hi), kind in zip(d["runs"], kinds):
+      for step in range(lo, hi):
+        if kind == "skip":
+          continue
+        k_tile = _load_rows(k[b, :, kh], step * block_kv, block_kv)
+        v_tile = _load_rows(v[b, :, kh], step * block_kv, block_kv)
+        logits, tanh = _logits2(case, q_tile @ k_tile.T)
+        probs = np.exp2(logits - lse[:, None])
+        if kind == "masked":
+          probs = np.where(seen_of(q_start, step, d["kv_len"], d["offset"]),
+                           probs, 0.0)
+        ds = probs * (do_tile @ v_tile.T - row_delta[:, None])
+        if tanh is not None:
+          ds = ds * (1.0 - tanh * tanh)
+        acc += ds @ k_tile[:, chunk]
+    _store_rows(dq[b, :, h, chunk], q_start, acc * case.scale)
+  return dq[:, :case.q_len]
+
+
+def _model_dkv(test, case: Case, sizes, launch: Launch, decisions, kinds,
+               q, k, v, dout, lse2, delta):
+  """(dk, dv) [B, S, K, D] of the dK/dV kernel's walk."""
+  block_q, block_kv = sizes.block_q_dkv, sizes.block_kv_dkv
+  _, chunks = backward_warpgroup_split(case.head_dim)
+  width = case.head_dim // chunks
+  q, dout, k, v, lse2, delta = _padded_backward_inputs(
+      case, launch, q, dout, k, v, lse2, delta)
+  dk = np.full(launch.out_shapes[0], np.nan)
+  dv = np.full(launch.out_shapes[1], np.nan)
+  query_offsets = np.arange(block_q)
+
+  @functools.cache
+  def seen_of(q_start, k_start, kv_len, offset):
+    return _numpy(pipeline.query_tile_visible(
+        case.mask, query_offsets[None, :], q_start,
+        k_start + np.arange(block_kv)[:, None], kv_len, offset))
+
+  for point in _grid_points(launch):
+    d = _at(decisions, point)
+    b, kh, k_start = d["batch"], d["kv_head"], d["k_start"]
+    chunk = slice(d["chunk"] * width, (d["chunk"] + 1) * width)
+    loaded_heads, loaded_starts, loaded_slots = d["loads"]
+    k_tile = _load_rows(k[b, :, kh], k_start, block_kv)
+    v_tile = _load_rows(v[b, :, kh], k_start, block_kv)
+    dk_acc = np.zeros((block_kv, width))
+    dv_acc = np.zeros((block_kv, width))
+    step = 0  # The producer's step this consumer reads next.
+    for head_step in range(case.group):
+      for (lo, hi), kind in zip(d["runs"], kinds):
+        for q_tile_index in range(lo, hi):
+          test.assertLess(step, d["num_steps"],
+                          msg=f"consumer {point} reads past the producer")
+          test.assertEqual(
+              d["slots"][head_step, q_tile_index], loaded_slots[step],
+              msg=f"consumer {point}: (head {head_step}, query tile "
+                  f"{q_tile_index}) is not in the slot of the producer's "
+                  f"step {step}")
+          head, rows_start = loaded_heads[step], loaded_starts[step]
+          test.assertTrue(
+              0 <= q_tile_index and 0 <= head < case.num_heads,
+              msg=f"consumer {point}: query tile {q_tile_index}, head {head}")
+          step += 1
+          if kind == "skip":
+            continue
+          q_start = q_tile_index * block_q
+          q_tile = _load_rows(q[b, :, head], rows_start, block_q)
+          do_tile = _load_rows(dout[b, :, head], rows_start, block_q)
+          lse = _numpy(pipeline.valid_lse(
+              _load_stats(lse2, b, head, rows_start, block_q),
+              q_start + query_offsets, d["q_len"]))
+          logits, tanh = _logits2(case, k_tile @ q_tile.T)
+          probs = np.exp2(logits - lse[None, :])
+          if kind == "masked":
+            probs = np.where(seen_of(q_start, k_start, d["kv_len"],
+                                     d["offset"]), probs, 0.0)
+          dv_acc += probs @ do_tile[:, chunk]
+          row_delta = _load_stats(delta, b, head, rows_start, block_q)
+          ds = probs * (v_tile @ do_tile.T - row_delta[None, :])
+          if tanh is not None:
+            ds = ds * (1.0 - tanh * tanh)
+          dk_acc += ds @ q_tile[:, chunk]
+    test.assertEqual(step, d["num_steps"],
+                     msg=f"consumer {point} leaves producer steps unread")
+    _store_rows(dk[b, :, kh, chunk], k_start, dk_acc * case.scale)
+    _store_rows(dv[b, :, kh, chunk], k_start, dv_acc)
+  return dk[:, :case.kv_len], dv[:, :case.kv_len]
+
+
+def _padded_backward_inputs(case: Case, launch: Launch, q, dout, k, v, lse2,
+                            delta):
+  """The backward kernels' operands as `backward_call` pads them (rows to
+  the launch's shapes: zeros, lse2 +inf, delta 0)."""
+  padded_q, padded_k = launch.in_shapes[0], launch.in_shapes[1]
+  rows = lambda x, n: np.pad(x, [(0, 0), (0, n - x.shape[1]), (0, 0),
+                                 (0, 0)])
+  stats = lambda x, value: np.pad(
+      x, [(0, 0), (0, 0), (0, launch.in_shapes[4][2] - x.shape[2])],
+      constant_values=value)
+  return (rows(q, padded_q[1]), rows(dout, padded_q[1]),
+          rows(k, padded_k[1]), rows(v, padded_k[1]), stats(lse2, np.inf),
+          stats(delta, 0.0))
+
+
+def run_model(test, case: Case, q, k, v, dout, sinks):
+  """(out, lse2, dq, dk, dv, dsinks) of the three kernels' walks."""
+  sizes = case.block_sizes or mosaic_backend.configure(
+      case.spec(), {}).block_sizes
+  launches = _kernel_launches(case, sizes)
+  forward_launch, dq_launch, dkv_launch = launches
+  for launch in launches:
+    test.assertEqual(launch.num_threads, COMPUTE_WARPGROUPS + 1)
+    # q, k, v (and dout): [B, rows, heads, D].
+    for shape in launch.in_shapes:
+      if len(shape) == 4:
+        test.assertEqual(shape[1] % TMA_ROWS, 0, msg=f"{launch}")
+  decisions, kinds = _decisions(case, sizes, launches)
+  out, lse2 = _model_forward(test, case, sizes, forward_launch,
+                             decisions[0], kinds["forward"], q, k, v, sinks)
+  # The backend's delta: rowsum(dO * O), [B, N, T].
+  delta = np.einsum("btnd,btnd->bnt", dout, out)
+  dq = _model_dq(test, case, sizes, dq_launch, decisions[1], kinds["dq"], q,
+                 k, v, dout, lse2, delta)
+  dk, dv = _model_dkv(test, case, sizes, dkv_launch, decisions[2],
+                      kinds["dkv"], q, k, v, dout, lse2, delta)
+  dsinks = None
+  if sinks is not None:
+    dsinks = np.asarray(jax.jit(modifiers.sinks_gradient)(
+        jnp.asarray(sinks, jnp.float32), jnp.asarray(lse2, jnp.float32),
+        jnp.asarray(delta, jnp.float32)))
+  return out, lse2, dq, dk, dv, dsinks
+
+
+NAMES = ("out", "lse2", "dq", "dk", "dv", "dsinks")
+
+
+def assert_close(test, ours, reference):
+  for name, x, ref in zip(NAMES, ours, reference, strict=True):
+    if ref is None:
+      test.assertIsNone(x, msg=name)
+      continue
+    chex.assert_shape(x, ref.shape)
+    finite = np.isfinite(ref)
+    scale = max(1.0, float(np.max(np.abs(ref[finite]), initial=0.0)))
+    chex.assert_trees_all_close(x, ref, rtol=0.0, atol=TOLERANCE * scale,
+                                custom_message=name)
+
+
+class MosaicMaskingTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(*CASES)
+  def test_model_matches_reference(self, case):
+    inputs = _inputs(case, seed=0)
+    assert_close(self, run_model(self, case, *inputs),
+                 _reference(case, *inputs))
+
+  def test_reference_matches_jax_nn(self):
+    # With the options jax.nn has: causal top-left, a window, lengths
+    # (batch 1: rows 22-39 see no key), GQA.
+    case = Case(2, 40, 57, 4, 2, 64,
+                _mask(True, window=(9, 0), has_lengths=True),
+                lengths=((40, 40), (57, 13)))
+    q, k, v, dout, _ = _inputs(case, seed=1)
+    # jax.nn gives rows without keys the mean of the values (jflash and the
+    # reference: 0): compare the rows that see a key, with no cotangent on
+    # the others.
+    seen = np.swapaxes(_visible(case).any(-1), 1, 2)[..., None]
+    dout = np.where(seen, dout, 0.0)
+    attention = functools.partial(
+        jax.nn.dot_product_attention, is_causal=True,
+        local_window_size=(9, 0),
+        query_seq_lengths=jnp.asarray(case.lengths[0], jnp.int32),
+        key_value_seq_lengths=jnp.asarray(case.lengths[1], jnp.int32))
+
+    @jax.jit
+    def value_and_grads(q, k, v, dout):
+      out, vjp = jax.vjp(attention, q, k, v)
+      return out, *vjp(dout)
+
+    with jax.default_matmul_precision("highest"):
+      results = value_and_grads(*(jnp.asarray(x, jnp.float32)
+                                  for x in (q, k, v, dout)))
+    out, _, dq, dk, dv, _ = _reference(case, q, k, v, dout, None)
+    results = (np.where(seen, results[0], 0.0), *results[1:])
+    for name, x, ref in zip(("out", "dq", "dk", "dv"), results,
+                            (out, dq, dk, dv)):
+      chex.assert_trees_all_close(
+          np.asarray(x, np.float64), ref, rtol=0.0,
+          atol=TOLERANCE * max(1.0, np.abs(ref).max()), custom_message=name)
+
+
+def _full_runs(consumer_runs):
+  """consumer_runs, with every "masked" run marked "full"."""
+
+  def broken(runs, lo, hi):
+    return [(a, b, "full" if kind == "masked" else kind)
+            for a, b, kind in consumer_runs(runs, lo, hi)]
+
+  return broken
+
+
+def _short_union(query_block):
+  """query_block, with the producer's range one key tile short."""
+
+  def broken(*args, **kwargs):
+    block = query_block(*args, **kwargs)
+    return block._replace(steps_hi=jnp.maximum(block.steps_hi - 1,
+                                               block.steps_lo))
+
+  return broken
+
+
+def _unshifted_columns(key_tile_visible):
+  """key_tile_visible, with the tile's columns not shifted to the tile."""
+  return lambda mask, rows, columns, kv_step, block_kv, kv_len, offset: (
+      key_tile_visible(mask, rows, columns, 0, block_kv, kv_len, offset))
+
+
+def _next_slot(group_slot):
+  """group_slot, one slot further than the producer's."""
+  return lambda head_step, q_tile_index, block, stages: lax.rem(
+      group_slot(head_step, q_tile_index, block, stages) + 1, stages)
+
+
+def _head_without_group(group_step_rows):
+  """group_step_rows, loading query head kv_head + i for the group's i-th
+  (not kv_head * group + i)."""
+
+  def broken(step, block, group, block_q):
+    head, q_start = group_step_rows(step, block, group, block_q)
+    return head - block.kv_head * (group - 1), q_start
+
+  return broken
+
+
+def _same_rows(row_group_start):
+  """row_group_start, giving every row group the block's first rows."""
+  return lambda block_start, row_group, rows: row_group_start(
+      block_start, 0 * row_group, rows)
+
+
+class ModelSensitivityTest(parameterized.TestCase):
+  """The model fails when a decision the kernels take is broken."""
+
+  @parameterized.named_parameters(
+      ("masked_runs_unmasked", "consumer_runs", _full_runs,
+       "causal_gqa_soft_cap"),
+      ("producer_range_short", "query_block", _short_union,
+       "causal_window"),
+      ("tile_columns_unshifted", "key_tile_visible", _unshifted_columns,
+       "no_mask_lengths_soft_cap"),
+      ("dkv_ring_slot", "group_slot", _next_slot, "causal_gqa_soft_cap"),
+      ("gqa_head_of_step", "group_step_rows", _head_without_group,
+       "causal_gqa_soft_cap"),
+      ("row_group_rows", "row_group_start", _same_rows,
+       "no_mask_lengths_soft_cap"),
+  )
+  def test_model_fails(self, helper, breaker, case_name):
+    case = dict(CASES)[case_name]
+    inputs = _inputs(case, seed=0)
+    reference = _reference(case, *inputs)
+    broken = breaker(getattr(pipeline, helper))
+    with mock.patch.object(pipeline, helper, broken):
+      with self.assertRaises(AssertionError):
+        assert_close(self, run_model(self, case, *inputs), reference)
+
+
+if __name__ == "__main__":
+  absltest.main()
