@@ -35,17 +35,46 @@ def as_int32(x):
   return jnp.asarray(x, jnp.int32)
 
 
+def _static(*xs) -> bool:
+  return all(isinstance(x, int) for x in xs)
+
+
+def static_or_int32(x):
+  """x itself when a Python int (known when the kernel is traced), else an
+  int32 scalar."""
+  return x if _static(x) else as_int32(x)
+
+
+def _maximum(a, b):
+  return max(a, b) if _static(a, b) else jnp.maximum(a, b)
+
+
 def consumer_runs(runs, lo, hi):
   """A consumer's runs of tiles, clipped to the producer's [lo, hi), with
   the tiles before and after them as runs to skip ("skip").
 
   Args:
     runs: the consumer's `masks` runs [(lo, hi, needs_mask)], adjacent.
-    lo, hi: the steps the producer streams (int32 scalars).
+    lo, hi: the steps the producer streams (int32 scalars, or Python ints).
 
   Returns:
     [(lo, hi, kind)], kind "skip", "masked" or "full", covering [lo, hi).
+    When every bound is known at trace time (no lengths, no causal mask:
+    the ranges do not depend on the block), they stay Python ints and the
+    empty runs are left out: each run is one more copy of a loop body in
+    the kernel, and fewer copies compile faster.
   """
+  if _static(lo, hi, *(b for run in runs for b in run[:2])):
+    own_lo = min(max(runs[0][0], lo), hi)
+    own_hi = min(max(runs[-1][1], own_lo), hi)
+    clip_static = lambda x: min(max(x, own_lo), own_hi)
+    every = ([(lo, own_lo, "skip")]
+             + [(clip_static(a), clip_static(b),
+                 "masked" if needs_mask else "full")
+                for a, b, needs_mask in runs]
+             + [(own_hi, hi, "skip")])
+    return [run for run in every if run[0] < run[1]]
+  lo, hi = as_int32(lo), as_int32(hi)
   own_lo = jnp.minimum(jnp.maximum(as_int32(runs[0][0]), lo), hi)
   own_hi = jnp.minimum(jnp.maximum(as_int32(runs[-1][1]), own_lo), hi)
   clip = lambda x: jnp.minimum(jnp.maximum(as_int32(x), own_lo), own_hi)
@@ -67,15 +96,18 @@ def produce(load: Callable, lo, hi, stages: int, consumed: tuple):
 
   Args:
     load: issues the TMA copies of one step into one slot.
-    lo, hi: the steps: traced int32 scalars (lo may be the Python int 0).
+    lo, hi: the steps: traced int32 scalars, or Python ints (then the
+      loop has a fixed trip count, and the fills past hi are left out).
     stages: the ring's slots.
     consumed: the "consumed" barrier arrays to wait on before refilling a
       slot (one per separately released buffer, e.g. K's and V's).
   """
   for i in range(stages):
     pl.when(lo + i < hi)(functools.partial(load, as_int32(lo + i), i))
+  if _static(lo, hi) and lo + stages >= hi:
+    return
 
-  @pl.loop(as_int32(lo + stages), hi)
+  @pl.loop(static_or_int32(lo + stages), hi)
   def _refill(step):
     slot = slot_of(step, lo, stages)
     for barriers in consumed:
@@ -169,8 +201,8 @@ def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
   offset = masks.causal_offset(mask, q_len, kv_len)
   union = masks.key_blocks(mask, start, block_rows, block_kv, q_len, kv_len,
                            offset).runs()
-  steps_lo = as_int32(union[0][0])
-  steps_hi = jnp.maximum(as_int32(union[-1][1]), steps_lo)
+  steps_lo = static_or_int32(union[0][0])
+  steps_hi = _maximum(static_or_int32(union[-1][1]), steps_lo)
   return QueryBlock(batch=batch, head=head, warpgroup=warpgroup,
                     start=start, q_len=q_len, kv_len=kv_len, offset=offset,
                     steps_lo=steps_lo, steps_hi=steps_hi)
@@ -244,8 +276,8 @@ def key_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *, q_seq: int,
   offset = masks.causal_offset(mask, q_len, kv_len)
   union = masks.query_blocks(mask, start, block_rows, block_q, q_len, kv_len,
                              offset).runs()
-  tiles_lo = as_int32(union[0][0])
-  tiles_hi = jnp.maximum(as_int32(union[-1][1]), tiles_lo)
+  tiles_lo = static_or_int32(union[0][0])
+  tiles_hi = _maximum(static_or_int32(union[-1][1]), tiles_lo)
   # Steps: (head of the group, query tile in [tiles_lo, tiles_hi)).
   tiles_per_head = tiles_hi - tiles_lo
   return KeyBlock(batch=batch, kv_head=kv_head, warpgroup=warpgroup,
