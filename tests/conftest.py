@@ -19,8 +19,9 @@ if os.environ.get("JFLASH_TEST_ON_GPU") != "1":
 # the whole suite runs with it forbidden.
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# tests/sharding_test.py runs its cases in a subprocess with 8 CPU devices,
-# which must be set before JAX starts its backends.
+# tests/sharding_test.py and tests/ring_attention_test.py run their cases in a
+# subprocess with 8 CPU devices (test_util.run_file_on_cpu_devices), which
+# must be set before JAX starts its backends.
 if os.environ.get("JFLASH_TEST_CPU_DEVICES"):
   jax.config.update("jax_num_cpu_devices",
                     int(os.environ["JFLASH_TEST_CPU_DEVICES"]))

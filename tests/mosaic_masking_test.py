@@ -61,8 +61,9 @@ from jflash._src.backends.mosaic.config import backward_warpgroup_split
 from jflash._src.backends.mosaic.forward import COMPUTE_WARPGROUPS
 from jflash._src.spec import CallSpec
 from jflash._src.spec import MaskSpec
-from jflash._src.spec import ModifierSpec
 from jflash._src.spec import Operands
+from jflash._src.spec import describe_call
+from tests import test_util
 from tests import tolerances
 
 # Model and reference are both float64: the table's float32 floor is far
@@ -77,48 +78,47 @@ TMA_ROWS = 8
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One call: shapes [B, T, N, D] / [B, S, K, D] and its options."""
+  """One call as the backend receives it, with its lengths and tiles.
 
-  batch: int
-  q_len: int
-  kv_len: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  mask: MaskSpec
-  soft_cap: float | None = None
-  sinks: bool = False
+  Attributes:
+    spec: the call's spec, as `describe_call` reads it off `operands`.
+    operands: the call's operands as shapes (jax.ShapeDtypeStruct): q
+      [B, T, N, D], k and v [B, S, K, D] bfloat16, and where the call has
+      them, lengths int32 [B] and sinks float32 [B, N].
+    lengths: (q_lengths, kv_lengths), B values each, or None: no lengths.
+    block_sizes: the tiles, or None: the backend's default.
+  """
+
+  spec: CallSpec
+  operands: Operands
   lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None
   block_sizes: MosaicBlockSizes | None = None
-
-  @property
-  def group(self) -> int:
-    return self.num_heads // self.num_kv_heads
-
-  @property
-  def scale(self) -> float:
-    return self.head_dim ** -0.5
-
-  def spec(self) -> CallSpec:
-    return CallSpec(
-        batch=self.batch, q_len=self.q_len, kv_len=self.kv_len,
-        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-        head_dim=self.head_dim, dtype="bfloat16", scale=self.scale,
-        mask=self.mask, logits_soft_cap=self.soft_cap,
-        modifiers=ModifierSpec(has_sinks=self.sinks))
 
   def lengths_arrays(self):
     """(q_lengths, kv_lengths) int32 [B] as the kernels read them (zeros,
     unread, without lengths)."""
     if self.lengths is None:
-      zeros = np.zeros((self.batch,), np.int32)
+      zeros = np.zeros((self.spec.batch,), np.int32)
       return zeros, zeros
     return tuple(np.asarray(x, np.int32) for x in self.lengths)
 
 
-def _mask(is_causal=False, **options) -> MaskSpec:
-  return MaskSpec(is_causal=is_causal,
-                  has_lengths=options.pop("has_lengths", False), **options)
+def _case(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, *,
+          is_causal=False, bottom_right=False, window=None, soft_cap=None,
+          sinks=False, lengths=None, block_sizes=None) -> Case:
+  """The call on q [B, T, N, D], k/v [B, S, K, D] with scale 1/sqrt(D),
+  described by the library (`describe_call`, as the public function)."""
+  struct = jax.ShapeDtypeStruct
+  kv = struct((batch, kv_len, num_kv_heads, head_dim), jnp.bfloat16)
+  per_batch = None if lengths is None else struct((batch,), jnp.int32)
+  operands = Operands(
+      struct((batch, q_len, num_heads, head_dim), jnp.bfloat16), kv, kv,
+      q_lengths=per_batch, kv_lengths=per_batch,
+      sinks=struct((batch, num_heads), jnp.float32) if sinks else None)
+  spec = describe_call(
+      operands, scale=head_dim ** -0.5, is_causal=is_causal,
+      bottom_right=bottom_right, window=window, logits_soft_cap=soft_cap)
+  return Case(spec, operands, lengths, block_sizes)
 
 
 # Lengths that are not multiples of the tiles (nor of TMA_ROWS), T < S and
@@ -127,52 +127,51 @@ def _mask(is_causal=False, **options) -> MaskSpec:
 CASES = (
     # Causal top-left, T < S, GQA (2 kv heads of 2 query heads), soft cap.
     ("causal_gqa_soft_cap",
-     Case(1, 100, 300, 4, 2, 128, _mask(True), soft_cap=20.0)),
+     _case(1, 100, 300, 4, 2, 128, is_causal=True, soft_cap=20.0)),
     # Bottom-right with T > S: rows 0-169 see no key, only their sink.
     ("bottom_right_empty_rows_gqa_sinks",
-     Case(2, 300, 130, 2, 1, 64, _mask(True, bottom_right=True),
-          soft_cap=5.0, sinks=True)),
-    ("causal_window", Case(1, 260, 261, 2, 2, 64, _mask(True, window=(70, 0)))),
+     _case(2, 300, 130, 2, 1, 64, is_causal=True, bottom_right=True,
+           soft_cap=5.0, sinks=True)),
+    ("causal_window",
+     _case(1, 260, 261, 2, 2, 64, is_causal=True, window=(70, 0))),
     ("two_sided_window_gqa_lengths_sinks",
-     Case(2, 200, 250, 4, 1, 64, _mask(window=(50, 30), has_lengths=True),
-          sinks=True, lengths=((200, 64), (100, 250)))),
+     _case(2, 200, 250, 4, 1, 64, window=(50, 30), sinks=True,
+           lengths=((200, 64), (100, 250)))),
     # Batch 1 has no keys, batch 2 no queries.
     ("causal_lengths_empty",
-     Case(3, 200, 260, 4, 2, 64, _mask(True, has_lengths=True),
-          lengths=((200, 37, 0), (260, 0, 91)))),
+     _case(3, 200, 260, 4, 2, 64, is_causal=True,
+           lengths=((200, 37, 0), (260, 0, 91)))),
     ("bottom_right_window_lengths_sinks",
-     Case(2, 190, 270, 2, 2, 128,
-          _mask(True, bottom_right=True, window=(40, 10), has_lengths=True),
-          soft_cap=30.0, sinks=True, lengths=((150, 190), (270, 100)))),
+     _case(2, 190, 270, 2, 2, 128, is_causal=True, bottom_right=True,
+           window=(40, 10), soft_cap=30.0, sinks=True,
+           lengths=((150, 190), (270, 100)))),
     # D=256: the backward's two warpgroups share one row tile, each
     # accumulating half of the columns.
     ("d256_gqa_causal_lengths",
-     Case(2, 140, 200, 4, 1, 256, _mask(True, has_lengths=True),
-          lengths=((140, 77), (200, 150)))),
+     _case(2, 140, 200, 4, 1, 256, is_causal=True,
+           lengths=((140, 77), (200, 150)))),
     ("no_mask_lengths_soft_cap",
-     Case(2, 70, 150, 2, 1, 64, _mask(has_lengths=True), soft_cap=10.0,
-          lengths=((70, 1), (150, 64)))),
+     _case(2, 70, 150, 2, 1, 64, soft_cap=10.0,
+           lengths=((70, 1), (150, 64)))),
     # T > S with a deeper forward ring and 64-key tiles, 128-row backward
     # tiles.
     ("causal_t_gt_s_other_tiles",
-     Case(1, 325, 199, 2, 2, 128, _mask(True),
-          block_sizes=MosaicBlockSizes(
-              block_kv=64, num_stages=3, block_kv_dq=128, block_q_dkv=128,
-              backward_stages=2))),
+     _case(1, 325, 199, 2, 2, 128, is_causal=True,
+           block_sizes=MosaicBlockSizes(
+               block_kv=64, num_stages=3, block_kv_dq=128, block_q_dkv=128,
+               backward_stages=2))),
 )
 
 
 def _inputs(case: Case, seed: int):
   """q, k, v, dout (float64) and sinks [B, N] (natural log) or None."""
   rng = np.random.default_rng(seed)
-  q = rng.standard_normal(
-      (case.batch, case.q_len, case.num_heads, case.head_dim))
-  k, v = (rng.standard_normal(
-      (case.batch, case.kv_len, case.num_kv_heads, case.head_dim))
-          for _ in range(2))
+  operands = case.operands
+  q = rng.standard_normal(operands.query.shape)
+  k, v = (rng.standard_normal(operands.key.shape) for _ in range(2))
   dout = rng.standard_normal(q.shape)
-  sinks = (2.0 * rng.standard_normal((case.batch, case.num_heads))
-           if case.sinks else None)
+  sinks = (None if operands.sinks is None
+           else 2.0 * rng.standard_normal(operands.sinks.shape))
   return q, k, v, dout, sinks
 
 
@@ -181,12 +180,13 @@ def _inputs(case: Case, seed: int):
 
 def _visible(case: Case):
   """bool [B, 1, T, S]: row r sees key c."""
-  q_lens, kv_lens = ((np.full(case.batch, case.q_len),
-                      np.full(case.batch, case.kv_len))
+  spec = case.spec
+  q_lens, kv_lens = ((np.full(spec.batch, spec.q_len),
+                      np.full(spec.batch, spec.kv_len))
                      if case.lengths is None else case.lengths)
-  rows = np.arange(case.q_len)[:, None]
-  cols = np.arange(case.kv_len)[None, :]
-  mask = case.mask
+  rows = np.arange(spec.q_len)[:, None]
+  cols = np.arange(spec.kv_len)[None, :]
+  mask = spec.mask
   result = []
   for q_len, kv_len in zip(q_lens, kv_lens):
     seen = (rows < q_len) & (cols < kv_len)
@@ -206,19 +206,20 @@ def _reference(case: Case, q, k, v, dout, sinks):
   Rows that see no key and have no sink: out 0, lse2 +inf (the kernels'
   convention); rows past q_len see nothing, not even their sink.
   """
-  k, v = (np.repeat(x, case.group, axis=2) for x in (k, v))
-  scores = case.scale * np.einsum("btnd,bsnd->bnts", q, k)
-  if case.soft_cap is None:
+  spec = case.spec
+  k, v = (np.repeat(x, spec.group, axis=2) for x in (k, v))
+  scores = spec.scale * np.einsum("btnd,bsnd->bnts", q, k)
+  if spec.logits_soft_cap is None:
     logits, tanh = scores, None
   else:
-    tanh = np.tanh(scores / case.soft_cap)
-    logits = case.soft_cap * tanh
+    tanh = np.tanh(scores / spec.logits_soft_cap)
+    logits = spec.logits_soft_cap * tanh
   visible = _visible(case)
   row_max = np.max(np.where(visible, logits, -np.inf), axis=-1)
   if sinks is not None:
-    q_lens = (np.full(case.batch, case.q_len) if case.lengths is None
+    q_lens = (np.full(spec.batch, spec.q_len) if case.lengths is None
               else np.asarray(case.lengths[0]))
-    row_valid = np.arange(case.q_len)[None, None, :] < q_lens[:, None, None]
+    row_valid = np.arange(spec.q_len)[None, None, :] < q_lens[:, None, None]
     row_max = np.maximum(row_max, np.where(row_valid, sinks[..., None],
                                            -np.inf))
   row_max = np.where(np.isfinite(row_max), row_max, 0.0)
@@ -239,10 +240,10 @@ def _reference(case: Case, q, k, v, dout, sinks):
   dlogits = probs * (dprobs - delta[..., None])
   if tanh is not None:
     dlogits = dlogits * (1.0 - tanh * tanh)
-  dq = case.scale * np.einsum("bnts,bsnd->btnd", dlogits, k)
-  fold = lambda x: x.reshape(x.shape[:2] + (case.num_kv_heads, case.group,
-                                            case.head_dim)).sum(3)
-  dk = fold(case.scale * np.einsum("bnts,btnd->bsnd", dlogits, q))
+  dq = spec.scale * np.einsum("bnts,bsnd->btnd", dlogits, k)
+  fold = lambda x: x.reshape(x.shape[:2] + (spec.num_kv_heads, spec.group,
+                                            spec.head_dim)).sum(3)
+  dk = fold(spec.scale * np.einsum("bnts,btnd->bsnd", dlogits, q))
   dv = fold(np.einsum("bnts,btnd->bsnd", probs, dout))
   dsinks = None
   if sinks is not None:
@@ -267,24 +268,14 @@ def _launches(fn, *args) -> list[Launch]:
   """The Mosaic GPU kernel launches of fn(*args) in trace order (traced,
   nothing lowered)."""
   found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "mpmd_map":
-        (mesh,) = eqn.params["meshes"]
-        found.append(Launch(
-            grid=tuple(mesh.grid), grid_names=tuple(mesh.grid_names),
-            num_threads=mesh.num_threads,
-            in_shapes=tuple(v.aval.shape for v in eqn.invars),
-            out_shapes=tuple(a.shape for a in eqn.params["out_avals"])))
-        continue
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (list, tuple)) else (param,):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            walk(inner)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  for eqn in test_util.equations(jax.make_jaxpr(fn)(*args).jaxpr,
+                                 "mpmd_map"):
+    (mesh,) = eqn.params["meshes"]
+    found.append(Launch(
+        grid=tuple(mesh.grid), grid_names=tuple(mesh.grid_names),
+        num_threads=mesh.num_threads,
+        in_shapes=tuple(v.aval.shape for v in eqn.invars),
+        out_shapes=tuple(a.shape for a in eqn.params["out_avals"])))
   if not found:
     raise AssertionError("no Mosaic GPU kernel launch in the trace (did "
                          "plgpu.kernel stop tracing to mpmd_map?)")
@@ -294,30 +285,17 @@ def _launches(fn, *args) -> list[Launch]:
 @functools.cache
 def _kernel_launches(case: Case, sizes: MosaicBlockSizes):
   """(forward, dQ, dK/dV) launches of the backend for `case`."""
-  spec = case.spec()
+  spec, operands = case.spec, case.operands
   config = mosaic_backend.configure(spec, {"block_sizes": sizes})
-  b, t, s, n, kh, d = (case.batch, case.q_len, case.kv_len, case.num_heads,
-                       case.num_kv_heads, case.head_dim)
-  q = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((b, s, kh, d), jnp.bfloat16)
-  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
-  stats = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
-  sinks = jax.ShapeDtypeStruct((b, n), jnp.float32)
-
-  def operands(q, k, v, q_lengths, kv_lengths, sinks):
-    ops = Operands(query=q, key=k, value=v,
-                   sinks=sinks if case.sinks else None)
-    if case.mask.has_lengths:
-      ops = ops.replace(q_lengths=q_lengths, kv_lengths=kv_lengths)
-    return ops
-
-  args = (q, kv, kv, lengths, lengths, sinks)
+  # The backward's out and dout are shaped as q, its lse2 [B, N, T].
+  q = operands.query
+  lse2 = jax.ShapeDtypeStruct((spec.batch, spec.num_heads, spec.q_len),
+                              jnp.float32)
   (forward,) = _launches(
-      lambda *a: mosaic_backend.forward(spec, config, operands(*a)), *args)
+      functools.partial(mosaic_backend.forward, spec, config), operands)
   dq, dkv = _launches(
-      lambda *a: mosaic_backend.backward(spec, config, operands(*a[:6]),
-                                         a[6], a[7], a[8]),
-      *args, q, stats, q)
+      functools.partial(mosaic_backend.backward, spec, config), operands, q,
+      lse2, q)
   return forward, dq, dkv
 
 
@@ -342,7 +320,8 @@ def _over_grid(fn, launch: Launch):
 
 def _roles(warpgroup, chunks: int):
   """(row group, column chunk) of a backward compute warpgroup, as
-  `backward._for_each_compute_warpgroup` assigns them."""
+  `backward._for_each_compute_warpgroup` assigns them (chunks=1: the
+  forward's, each warpgroup a row group of its own)."""
   if chunks == 1:
     return warpgroup, jnp.int32(0)
   return lax.div(warpgroup, chunks), lax.rem(warpgroup, chunks)
@@ -355,46 +334,42 @@ def _int32(tree):
 def _decisions(case: Case, sizes: MosaicBlockSizes, launches):
   """Every grid point's decisions of the three kernels, as NumPy arrays
   [*grid, warpgroup], and the (static) kinds of their runs."""
-  mask, q_seq, kv_seq, group = (case.mask, case.q_len, case.kv_len,
-                                case.group)
+  spec = case.spec
+  mask, q_seq, kv_seq, group = (spec.mask, spec.q_len, spec.kv_len,
+                                spec.group)
   forward_launch, dq_launch, dkv_launch = launches
-  row_groups, chunks = backward_warpgroup_split(case.head_dim)
+  row_groups, chunks = backward_warpgroup_split(spec.head_dim)
   kinds = {}
 
   def runs_of(name, runs):
     kinds[name] = tuple(kind for _, _, kind in runs)
     return [(lo, hi) for lo, hi, _ in runs]
 
-  def forward(q_lengths, kv_lengths):
-    block = pipeline.query_block(
-        mask, q_lengths, kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
-        block_rows=COMPUTE_WARPGROUPS * sizes.block_q,
-        block_kv=sizes.block_kv)
-    q_start = pipeline.row_group_start(block.start, block.warpgroup,
-                                       sizes.block_q)
-    own = pipeline.key_tiles(mask, block, q_start, sizes.block_q,
-                             sizes.block_kv)
-    runs = pipeline.consumer_runs(own, block.steps_lo, block.steps_hi)
-    return _int32(dict(
-        block._asdict(), q_start=q_start, chunk=0,
-        kv_head=pipeline.kv_head_of(block.head, group),
-        runs=runs_of("forward", runs)))
+  def over_key_tiles(name, block_q, block_kv, num_row_groups, num_chunks):
+    """The decisions of a kernel that walks key tiles for its query rows
+    (forward, dQ): num_row_groups groups of block_q rows, each split into
+    num_chunks column chunks, one per compute warpgroup."""
 
-  def dq(q_lengths, kv_lengths):
-    block = pipeline.query_block(
-        mask, q_lengths, kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
-        block_rows=row_groups * sizes.block_q_dq,
-        block_kv=sizes.block_kv_dq)
-    row_group, chunk = _roles(block.warpgroup, chunks)
-    q_start = pipeline.row_group_start(block.start, row_group,
-                                       sizes.block_q_dq)
-    own = pipeline.key_tiles(mask, block, q_start, sizes.block_q_dq,
-                             sizes.block_kv_dq)
-    runs = pipeline.consumer_runs(own, block.steps_lo, block.steps_hi)
-    return _int32(dict(
-        block._asdict(), q_start=q_start, chunk=chunk,
-        kv_head=pipeline.kv_head_of(block.head, group),
-        runs=runs_of("dq", runs)))
+    def decide(q_lengths, kv_lengths):
+      block = pipeline.query_block(
+          mask, q_lengths, kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
+          block_rows=num_row_groups * block_q, block_kv=block_kv)
+      row_group, chunk = _roles(block.warpgroup, num_chunks)
+      q_start = pipeline.row_group_start(block.start, row_group, block_q)
+      own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv)
+      runs = pipeline.consumer_runs(own, block.steps_lo, block.steps_hi)
+      return _int32(dict(
+          block._asdict(), q_start=q_start, chunk=chunk,
+          kv_head=pipeline.kv_head_of(block.head, group),
+          runs=runs_of(name, runs)))
+
+    return decide
+
+  # The forward's warpgroups each own a row group, all columns.
+  forward = over_key_tiles("forward", sizes.block_q, sizes.block_kv,
+                           COMPUTE_WARPGROUPS, 1)
+  dq = over_key_tiles("dq", sizes.block_q_dq, sizes.block_kv_dq, row_groups,
+                      chunks)
 
   num_q_tiles = -(-q_seq // sizes.block_q_dkv)
 
@@ -488,10 +463,18 @@ def _numpy(x):
 
 def _logits2(case: Case, scores):
   """Base-2 logits and tanh (numerics.logits_base2, in float64)."""
-  if case.soft_cap is None:
-    return scores * (case.scale * numerics.LOG2_E), None
-  tanh = np.tanh(scores * (case.scale / case.soft_cap))
-  return tanh * (case.soft_cap * numerics.LOG2_E), tanh
+  spec = case.spec
+  if spec.logits_soft_cap is None:
+    return scores * (spec.scale * numerics.LOG2_E), None
+  tanh = np.tanh(scores * (spec.scale / spec.logits_soft_cap))
+  return tanh * (spec.logits_soft_cap * numerics.LOG2_E), tanh
+
+
+def _dlogits2(probs, dprobs_minus_delta, tanh):
+  """A tile's dS, the gradient of its scores: P (dP - delta), through the
+  soft cap's tanh where there is one (tanh: of `_logits2`, or None)."""
+  ds = probs * dprobs_minus_delta
+  return ds if tanh is None else ds * (1.0 - tanh * tanh)
 
 
 def _key_tile_masks(mask: MaskSpec, block_q: int, block_kv: int):
@@ -517,14 +500,27 @@ def _check_walk(test, point, runs, lo: int, hi: int):
                        f"producer's steps [{lo}, {hi})")
 
 
+def _computed_key_tiles(runs, kinds, k, v, block_kv: int):
+  """(step, kind, k tile, v tile) of each key tile a forward or dQ consumer
+  computes: the steps of its runs, "skip" runs left out. k, v: [S, D], the
+  row's kv head."""
+  for (lo, hi), kind in zip(runs, kinds):
+    if kind == "skip":
+      continue
+    for step in range(lo, hi):
+      yield (step, kind, _load_rows(k, step * block_kv, block_kv),
+             _load_rows(v, step * block_kv, block_kv))
+
+
 def _model_forward(test, case: Case, sizes, launch: Launch, decisions,
                    kinds, q, k, v, sinks):
   """(out [B, T, N, D], lse2 [B, N, T]) of the forward kernel's walk."""
-  mask = case.mask
+  spec = case.spec
+  mask = spec.mask
   block_q, block_kv = sizes.block_q, sizes.block_kv
   padded_q, padded_k = launch.in_shapes[0], launch.in_shapes[1]
-  q = np.pad(q, [(0, 0), (0, padded_q[1] - case.q_len), (0, 0), (0, 0)])
-  k, v = (np.pad(x, [(0, 0), (0, padded_k[1] - case.kv_len), (0, 0),
+  q = np.pad(q, [(0, 0), (0, padded_q[1] - spec.q_len), (0, 0), (0, 0)])
+  k, v = (np.pad(x, [(0, 0), (0, padded_k[1] - spec.kv_len), (0, 0),
                      (0, 0)]) for x in (k, v))
   out = np.full(launch.out_shapes[0], np.nan)
   lse = np.full(launch.out_shapes[1], np.nan)
@@ -536,29 +532,25 @@ def _model_forward(test, case: Case, sizes, launch: Launch, decisions,
     _check_walk(test, point, d["runs"], d["steps_lo"], d["steps_hi"])
     q_tile = _load_rows(q[b, :, h], q_start, block_q)
     rows = q_start + tile_rows[:, None]
-    acc = np.zeros((block_q, case.head_dim))
+    acc = np.zeros((block_q, spec.head_dim))
     row_max = np.full(block_q, numerics.MASK_VALUE)
     row_sum = np.zeros(block_q)
     if sinks is not None:
       row_max[:], row_sum[:] = sinks[b, h] * numerics.LOG2_E, 1.0
-    for (lo, hi), kind in zip(d["runs"], kinds):
-      for step in range(lo, hi):
-        if kind == "skip":
-          continue
-        k_tile = _load_rows(k[b, :, kh], step * block_kv, block_kv)
-        v_tile = _load_rows(v[b, :, kh], step * block_kv, block_kv)
-        logits, _ = _logits2(case, q_tile @ k_tile.T)
-        if kind == "masked":
-          seen = seen_of(q_start, step, d["kv_len"], d["offset"])
-          logits = np.where(seen, logits, numerics.MASK_VALUE)
-        new_max = np.maximum(row_max, logits.max(axis=1))
-        probs = np.exp2(logits - new_max[:, None])
-        if kind == "masked":
-          probs = np.where(seen, probs, 0.0)
-        correction = np.exp2(row_max - new_max)
-        acc = acc * correction[:, None] + probs @ v_tile
-        row_sum = row_sum * correction + probs.sum(axis=1)
-        row_max = new_max
+    for step, kind, k_tile, v_tile in _computed_key_tiles(
+        d["runs"], kinds, k[b, :, kh], v[b, :, kh], block_kv):
+      logits, _ = _logits2(case, q_tile @ k_tile.T)
+      if kind == "masked":
+        seen = seen_of(q_start, step, d["kv_len"], d["offset"])
+        logits = np.where(seen, logits, numerics.MASK_VALUE)
+      new_max = np.maximum(row_max, logits.max(axis=1))
+      probs = np.exp2(logits - new_max[:, None])
+      if kind == "masked":
+        probs = np.where(seen, probs, 0.0)
+      correction = np.exp2(row_max - new_max)
+      acc = acc * correction[:, None] + probs @ v_tile
+      row_sum = row_sum * correction + probs.sum(axis=1)
+      row_max = new_max
     has_keys = (row_sum > 0.0) & (rows[:, 0] < d["q_len"])
     safe_sum = np.where(has_keys, row_sum, 1.0)
     _store_rows(out[b, :, h], q_start,
@@ -569,24 +561,23 @@ def _model_forward(test, case: Case, sizes, launch: Launch, decisions,
                     msg=f"lse store of {point} leaves its row")
     lse[b, h, q_start:q_start + block_q] = np.where(
         has_keys, row_max + np.log2(safe_sum), np.inf)
-  return out[:, :case.q_len], lse[..., :case.q_len]
+  return out[:, :spec.q_len], lse[..., :spec.q_len]
 
 
 def _model_dq(test, case: Case, sizes, launch: Launch, decisions, kinds, q,
               k, v, dout, lse2, delta):
   """dq [B, T, N, D] of the dQ kernel's walk."""
+  spec = case.spec
   block_q, block_kv = sizes.block_q_dq, sizes.block_kv_dq
-  _, chunks = backward_warpgroup_split(case.head_dim)
-  width = case.head_dim // chunks
   q, dout, k, v, lse2, delta = _padded_backward_inputs(
       case, launch, q, dout, k, v, lse2, delta)
   dq = np.full(launch.out_shapes[0], np.nan)
   tile_rows = np.arange(block_q)
-  seen_of = _key_tile_masks(case.mask, block_q, block_kv)
+  seen_of = _key_tile_masks(spec.mask, block_q, block_kv)
   for point in _grid_points(launch):
     d = _at(decisions, point)
     b, h, kh, q_start = d["batch"], d["head"], d["kv_head"], d["q_start"]
-    chunk = slice(d["chunk"] * width, (d["chunk"] + 1) * width)
+    chunk = _columns(spec, d["chunk"])
     _check_walk(test, point, d["runs"], d["steps_lo"], d["steps_hi"])
     q_tile = _load_rows(q[b, :, h], q_start, block_q)
     do_tile = _load_rows(dout[b, :, h], q_start, block_q)
@@ -594,32 +585,25 @@ def _model_dq(test, case: Case, sizes, launch: Launch, decisions, kinds, q,
     lse = _numpy(pipeline.valid_lse(
         _load_stats(lse2, b, h, q_start, block_q), row_ids, d["q_len"]))
     row_delta = _load_stats(delta, b, h, q_start, block_q)
-    acc = np.zeros((block_q, width))
-    for (lo, hi), kind in zip(d["runs"], kinds):
-      for step in range(lo, hi):
-        if kind == "skip":
-          continue
-        k_tile = _load_rows(k[b, :, kh], step * block_kv, block_kv)
-        v_tile = _load_rows(v[b, :, kh], step * block_kv, block_kv)
-        logits, tanh = _logits2(case, q_tile @ k_tile.T)
-        probs = np.exp2(logits - lse[:, None])
-        if kind == "masked":
-          probs = np.where(seen_of(q_start, step, d["kv_len"], d["offset"]),
-                           probs, 0.0)
-        ds = probs * (do_tile @ v_tile.T - row_delta[:, None])
-        if tanh is not None:
-          ds = ds * (1.0 - tanh * tanh)
-        acc += ds @ k_tile[:, chunk]
-    _store_rows(dq[b, :, h, chunk], q_start, acc * case.scale)
-  return dq[:, :case.q_len]
+    acc = np.zeros((block_q, chunk.stop - chunk.start))
+    for step, kind, k_tile, v_tile in _computed_key_tiles(
+        d["runs"], kinds, k[b, :, kh], v[b, :, kh], block_kv):
+      logits, tanh = _logits2(case, q_tile @ k_tile.T)
+      probs = np.exp2(logits - lse[:, None])
+      if kind == "masked":
+        probs = np.where(seen_of(q_start, step, d["kv_len"], d["offset"]),
+                         probs, 0.0)
+      ds = _dlogits2(probs, do_tile @ v_tile.T - row_delta[:, None], tanh)
+      acc += ds @ k_tile[:, chunk]
+    _store_rows(dq[b, :, h, chunk], q_start, acc * spec.scale)
+  return dq[:, :spec.q_len]
 
 
 def _model_dkv(test, case: Case, sizes, launch: Launch, decisions, kinds,
                q, k, v, dout, lse2, delta):
   """(dk, dv) [B, S, K, D] of the dK/dV kernel's walk."""
+  spec = case.spec
   block_q, block_kv = sizes.block_q_dkv, sizes.block_kv_dkv
-  _, chunks = backward_warpgroup_split(case.head_dim)
-  width = case.head_dim // chunks
   q, dout, k, v, lse2, delta = _padded_backward_inputs(
       case, launch, q, dout, k, v, lse2, delta)
   dk = np.full(launch.out_shapes[0], np.nan)
@@ -629,20 +613,20 @@ def _model_dkv(test, case: Case, sizes, launch: Launch, decisions, kinds,
   @functools.cache
   def seen_of(q_start, k_start, kv_len, offset):
     return _numpy(pipeline.query_tile_visible(
-        case.mask, query_offsets[None, :], q_start,
+        spec.mask, query_offsets[None, :], q_start,
         k_start + np.arange(block_kv)[:, None], kv_len, offset))
 
   for point in _grid_points(launch):
     d = _at(decisions, point)
     b, kh, k_start = d["batch"], d["kv_head"], d["k_start"]
-    chunk = slice(d["chunk"] * width, (d["chunk"] + 1) * width)
+    chunk = _columns(spec, d["chunk"])
     loaded_heads, loaded_starts, loaded_slots = d["loads"]
     k_tile = _load_rows(k[b, :, kh], k_start, block_kv)
     v_tile = _load_rows(v[b, :, kh], k_start, block_kv)
-    dk_acc = np.zeros((block_kv, width))
-    dv_acc = np.zeros((block_kv, width))
+    dk_acc = np.zeros((block_kv, chunk.stop - chunk.start))
+    dv_acc = np.zeros_like(dk_acc)
     step = 0  # The producer's step this consumer reads next.
-    for head_step in range(case.group):
+    for head_step in range(spec.group):
       for (lo, hi), kind in zip(d["runs"], kinds):
         for q_tile_index in range(lo, hi):
           test.assertLess(step, d["num_steps"],
@@ -654,7 +638,7 @@ def _model_dkv(test, case: Case, sizes, launch: Launch, decisions, kinds,
                   f"step {step}")
           head, rows_start = loaded_heads[step], loaded_starts[step]
           test.assertTrue(
-              0 <= q_tile_index and 0 <= head < case.num_heads,
+              0 <= q_tile_index and 0 <= head < spec.num_heads,
               msg=f"consumer {point}: query tile {q_tile_index}, head {head}")
           step += 1
           if kind == "skip":
@@ -672,15 +656,22 @@ def _model_dkv(test, case: Case, sizes, launch: Launch, decisions, kinds,
                                      d["offset"]), probs, 0.0)
           dv_acc += probs @ do_tile[:, chunk]
           row_delta = _load_stats(delta, b, head, rows_start, block_q)
-          ds = probs * (v_tile @ do_tile.T - row_delta[None, :])
-          if tanh is not None:
-            ds = ds * (1.0 - tanh * tanh)
+          ds = _dlogits2(probs, v_tile @ do_tile.T - row_delta[None, :],
+                         tanh)
           dk_acc += ds @ q_tile[:, chunk]
     test.assertEqual(step, d["num_steps"],
                      msg=f"consumer {point} leaves producer steps unread")
-    _store_rows(dk[b, :, kh, chunk], k_start, dk_acc * case.scale)
+    _store_rows(dk[b, :, kh, chunk], k_start, dk_acc * spec.scale)
     _store_rows(dv[b, :, kh, chunk], k_start, dv_acc)
-  return dk[:, :case.kv_len], dv[:, :case.kv_len]
+  return dk[:, :spec.kv_len], dv[:, :spec.kv_len]
+
+
+def _columns(spec: CallSpec, chunk: int) -> slice:
+  """The head_dim columns a backward warpgroup of column chunk `chunk`
+  accumulates."""
+  _, chunks = backward_warpgroup_split(spec.head_dim)
+  width = spec.head_dim // chunks
+  return slice(chunk * width, (chunk + 1) * width)
 
 
 def _padded_backward_inputs(case: Case, launch: Launch, q, dout, k, v, lse2,
@@ -701,7 +692,7 @@ def _padded_backward_inputs(case: Case, launch: Launch, q, dout, k, v, lse2,
 def run_model(test, case: Case, q, k, v, dout, sinks):
   """(out, lse2, dq, dk, dv, dsinks) of the three kernels' walks."""
   sizes = case.block_sizes or mosaic_backend.configure(
-      case.spec(), {}).block_sizes
+      case.spec, {}).block_sizes
   launches = _kernel_launches(case, sizes)
   forward_launch, dq_launch, dkv_launch = launches
   for launch in launches:
@@ -753,9 +744,8 @@ class MosaicMaskingTest(parameterized.TestCase):
   def test_reference_matches_jax_nn(self):
     # With the options jax.nn has: causal top-left, a window, lengths
     # (batch 1: rows 22-39 see no key), GQA.
-    case = Case(2, 40, 57, 4, 2, 64,
-                _mask(True, window=(9, 0), has_lengths=True),
-                lengths=((40, 40), (57, 13)))
+    case = _case(2, 40, 57, 4, 2, 64, is_causal=True, window=(9, 0),
+                 lengths=((40, 40), (57, 13)))
     q, k, v, dout, _ = _inputs(case, seed=1)
     # jax.nn gives rows without keys the mean of the values (jflash and the
     # reference: 0): compare the rows that see a key, with no cotangent on

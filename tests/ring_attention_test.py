@@ -20,8 +20,6 @@ import importlib.util
 import io
 import math
 import os
-import subprocess
-import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -422,17 +420,8 @@ class EightDevicesTest(absltest.TestCase):
   @absltest.skipIf(jax.device_count() >= DEVICES,
                    "this process has the devices: the cases run here")
   def test_ring_cases_pass_on_eight_cpu_devices(self):
-    env = dict(os.environ, JFLASH_TEST_CPU_DEVICES=str(DEVICES),
-               JAX_PLATFORMS="cpu")
-    env.pop("JFLASH_TEST_ON_GPU", None)  # Kernels interpreted on the CPU.
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-n", "0", "-k", "RingAttentionTest", __file__],
-        env=env, capture_output=True, text=True, check=False,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    self.assertEqual(result.returncode, 0,
-                     msg=result.stdout[-20000:] + result.stderr[-5000:])
-    self.assertIn(" passed", result.stdout.splitlines()[-1])
+    test_util.run_file_on_cpu_devices(self, __file__, DEVICES,
+                                      "RingAttentionTest")
 
 
 if __name__ == "__main__":

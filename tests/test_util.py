@@ -1,4 +1,5 @@
-"""Shared helpers: inputs, references, and the comparison the table defines."""
+"""Shared helpers: inputs, references, the comparison the table defines, and
+the runner of a test file's cases on fake CPU devices."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import dataclasses
 import hashlib
 import os
 import re
+import subprocess
+import sys
 from unittest import mock
 
 import chex
@@ -43,6 +46,29 @@ def decode_backend_by_default():
       mock.patch.object(decode, "kernel_attention",
                         wraps=decode.kernel_attention) as kernel_calls:
     yield kernel_calls
+
+
+def run_file_on_cpu_devices(test, test_file: str, num_devices: int,
+                            select: str):
+  """Runs the cases of `test_file` selected by `select` (pytest's -k) in a
+  subprocess with `num_devices` CPU devices, and fails `test` with the
+  subprocess's output unless they all pass.
+
+  The device count must be set before JAX starts its backends, so it goes
+  through JFLASH_TEST_CPU_DEVICES (conftest.py); the subprocess runs on the
+  CPU, its kernels interpreted, whatever JFLASH_TEST_ON_GPU says here.
+  """
+  env = dict(os.environ, JFLASH_TEST_CPU_DEVICES=str(num_devices),
+             JAX_PLATFORMS="cpu")
+  env.pop("JFLASH_TEST_ON_GPU", None)  # Kernels interpreted on the CPU.
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+       "-n", "0", "-k", select, test_file],
+      env=env, capture_output=True, text=True, check=False,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  test.assertEqual(result.returncode, 0,
+                   msg=result.stdout[-20000:] + result.stderr[-5000:])
+  test.assertIn(" passed", result.stdout.splitlines()[-1])
 
 
 def random_inputs(seed: int, *, batch=2, q_len=64, kv_len=64, num_heads=2,
@@ -210,24 +236,15 @@ def _assert_within_table(test, results, reference, low, dtype,
             f"(baseline {dtype.name} error {low_error:.3g})")
 
 
-def kernel_jaxprs(closed_jaxpr) -> list[str]:
-  """The jaxprs of every pallas_call under a jaxpr (nested ones included),
-  in trace order: what runs on the device, without the wrappers around.
-
-  Whitespace is normalized and the context mesh that inner `jit`s record
-  under a mesh (`ctx_mesh=...`, metadata only) is left out.
-  """
+def equations(jaxpr, primitive: str) -> list:
+  """The equations of `primitive` in a jaxpr and the jaxprs nested in it,
+  in trace order (not looking inside the ones found)."""
   found = []
-
-  def normalized(text):
-    text = re.sub(r"ctx_mesh=Mesh\((?:[^()]|\([^()]*\))*\)", "", text)
-    text = re.sub(r"\s+", " ", text)
-    return text.replace("[ ", "[").replace(" ]", "]")
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        found.append(normalized(str(eqn.params["jaxpr"])))
+      if eqn.primitive.name == primitive:
+        found.append(eqn)
         continue
       for param in eqn.params.values():
         for sub in param if isinstance(param, (list, tuple)) else (param,):
@@ -235,5 +252,22 @@ def kernel_jaxprs(closed_jaxpr) -> list[str]:
           if hasattr(inner, "eqns"):
             walk(inner)
 
-  walk(closed_jaxpr.jaxpr)
+  walk(jaxpr)
   return found
+
+
+def kernel_jaxprs(closed_jaxpr) -> list[str]:
+  """The jaxprs of every pallas_call under a jaxpr (nested ones included),
+  in trace order: what runs on the device, without the wrappers around.
+
+  Whitespace is normalized and the context mesh that inner `jit`s record
+  under a mesh (`ctx_mesh=...`, metadata only) is left out.
+  """
+
+  def normalized(text):
+    text = re.sub(r"ctx_mesh=Mesh\((?:[^()]|\([^()]*\))*\)", "", text)
+    text = re.sub(r"\s+", " ", text)
+    return text.replace("[ ", "[").replace(" ]", "]")
+
+  return [normalized(str(eqn.params["jaxpr"]))
+          for eqn in equations(closed_jaxpr.jaxpr, "pallas_call")]

@@ -154,13 +154,7 @@ def ring_attention(
     NotImplementedError: for the options above, and backends that cannot
       run a block.
   """
-  _check_choices(layout, strategy)
-  _check_unsupported(
-      "ring_attention", bias=bias, mask=mask,
-      query_seq_lengths=query_seq_lengths,
-      key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, alibi_slopes=alibi_slopes,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  _check_options("ring_attention", locals())  # Its arguments, by name.
   if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise ValueError("mesh must be a jax.sharding.Mesh (e.g. from "
                      f"jax.make_mesh); got {type(mesh).__name__}.")
@@ -258,13 +252,7 @@ def ring_attention_local(
       layout="balanced"; and everything `ring_attention` refuses.
     NotImplementedError: as `ring_attention`.
   """
-  _check_choices(layout, strategy)
-  _check_unsupported(
-      "ring_attention_local", bias=bias, mask=mask,
-      query_seq_lengths=query_seq_lengths,
-      key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, alibi_slopes=alibi_slopes,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  _check_options("ring_attention_local", locals())  # Its arguments, by name.
   try:
     num_devices = lax.axis_size(axis_name)
   except NameError as e:
@@ -508,36 +496,48 @@ def load_unbalance(x, num_shards: int, axis: int = 1):
 # Validation.
 
 
-def _check_choices(layout, strategy):
+# The options a sharded sequence does not support, in the order they are
+# checked, and why.
+_UNSUPPORTED = {
+    "bias": "a dense [T, S] bias would have to be sharded over both axes",
+    "mask": "a dense [T, S] mask would have to be sharded over both axes",
+    "query_seq_lengths": "lengths are not split over shards; mask padding "
+                         "with segment ids",
+    "key_value_seq_lengths": "lengths are not split over shards; mask "
+                             "padding with segment ids",
+    "local_window_size": "windows need global position offsets in the "
+                         "kernels",
+    "alibi_slopes": "ALiBi needs global position offsets in the kernels",
+    "dropout_rate": "dropout's mask hashes global positions in the kernels",
+    "dropout_rng": "dropout's mask hashes global positions in the kernels",
+}
+
+
+def _check_options(name: str, arguments: dict[str, Any]):
+  """The checks `ring_attention` and `ring_attention_local` share.
+
+  Args:
+    name: the public function, for the messages.
+    arguments: its arguments by name (its `locals()` on entry), so both
+      check the same options the same way.
+
+  Raises:
+    ValueError: for an unknown layout or strategy.
+    NotImplementedError: naming the first option of `_UNSUPPORTED` set.
+  """
+  layout, strategy = arguments["layout"], arguments["strategy"]
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}.")
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {STRATEGIES}; got "
                      f"{strategy!r}.")
-
-
-def _check_unsupported(name: str, **options):
-  """NotImplementedError naming the first option set that the sharded
-  sequence does not support."""
-  reasons = {
-      "local_window_size": "windows need global position offsets in the "
-                           "kernels",
-      "alibi_slopes": "ALiBi needs global position offsets in the kernels",
-      "dropout_rate": "dropout's mask hashes global positions in the kernels",
-      "dropout_rng": "dropout's mask hashes global positions in the kernels",
-      "bias": "a dense [T, S] bias would have to be sharded over both axes",
-      "mask": "a dense [T, S] mask would have to be sharded over both axes",
-      "query_seq_lengths": "lengths are not split over shards; mask "
-                           "padding with segment ids",
-      "key_value_seq_lengths": "lengths are not split over shards; mask "
-                               "padding with segment ids",
-  }
-  for option, value in options.items():
+  for option, reason in _UNSUPPORTED.items():
+    value = arguments[option]
     if value is None or (option == "dropout_rate" and value == 0.0):
       continue
     raise NotImplementedError(
         f"jflash.{name}: {option} is not supported with a sharded "
-        f"sequence ({reasons[option]}).")
+        f"sequence ({reason}).")
 
 
 def _check_sequence(call: api.DescribedCall, num_devices: int, layout: str,
