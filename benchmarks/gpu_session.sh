@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine, from the repository root:
-#   bash benchmarks/gpu_session.sh [tests|bench|both|mosaic|decode]
+#   bash benchmarks/gpu_session.sh [tests|bench|both|mosaic|decode|ring]
 #                                                      (default: both)
 # tests/bench/both: the test suite compiled on the GPU, then
 # benchmarks/run.py. mosaic (Hopper): the mosaic target of the suite, the
 # Mosaic checks, benchmark and compile times. decode: the decode benchmark
-# and the decode tests compiled. Logs and bench.json go to $OUT (default
+# and the decode tests compiled. ring (several GPUs): ring_attention
+# checked against flash_attention, then benchmarks/ring.py with the
+# latency-hiding scheduler over all local GPUs. Logs and bench.json go to $OUT (default
 # /tmp/out). A test failure does not stop the benchmarks; the exit status
 # is non-zero if any step failed.
 set -uo pipefail
 
 what="${1:-both}"
 case "${what}" in
-  tests|bench|both|mosaic|decode) ;;
-  *) echo "usage: $0 [tests|bench|both|mosaic|decode]" >&2; exit 2 ;;
+  tests|bench|both|mosaic|decode|ring) ;;
+  *) echo "usage: $0 [tests|bench|both|mosaic|decode|ring]" >&2; exit 2 ;;
 esac
 
 export PYTHONUNBUFFERED=1
@@ -47,6 +49,15 @@ if [[ "${what}" == decode ]]; then
     tests/nnx_test.py tests/linen_test.py -k "Decode or decode or Generate"
   run generate_paged timeout 120 python3 examples/generate_paged.py
   echo "gpu_session: decode done, status ${status}, output in ${OUT}"
+  exit "${status}"
+fi
+if [[ "${what}" == ring ]]; then
+  run check_ring python3 benchmarks/check_ring_gpu.py
+  run ring_bench env \
+    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
+    python3 benchmarks/ring.py --lengths 65536 262144 --exposed-comm \
+    --json "${OUT}/ring.json"
+  echo "gpu_session: ring done, status ${status}, output in ${OUT}"
   exit "${status}"
 fi
 if [[ "${what}" != bench ]]; then
