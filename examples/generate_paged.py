@@ -106,16 +106,18 @@ def allocate(cache, positions, active, page_size):
 
 def release(cache, lengths, finished, page_size):
   """Pushes the pages of the sequences that just finished back on the
-  stack (entries past a sequence's pages, or of others, are dropped)."""
+  stack, in batch order, with one scatter (entries past a sequence's pages,
+  or of sequences still running, are dropped)."""
   free, num_free = cache["free"], cache["num_free"]
   max_pages = cache["table"].shape[1]
-  for b in range(lengths.shape[0]):
-    count = jnp.where(finished[b], -(-lengths[b] // page_size), 0)
-    j = jnp.arange(max_pages)
-    index = jnp.where(j < count, num_free + j, free.shape[0])  # Dropped.
-    free = free.at[index].set(cache["table"][b], mode="drop")
-    num_free = num_free + count
-  return dict(cache, free=free, num_free=num_free)
+  counts = jnp.where(finished, -(-lengths // page_size), 0)
+  # Where each sequence's pages go: after those of the sequences before it.
+  starts = num_free + jnp.cumsum(counts) - counts
+  j = jnp.arange(max_pages)[None, :]
+  index = jnp.where(j < counts[:, None], starts[:, None] + j, free.shape[0])
+  free = free.at[index.reshape(-1)].set(cache["table"].reshape(-1),
+                                        mode="drop")
+  return dict(cache, free=free, num_free=num_free + jnp.sum(counts))
 
 
 def paged_step(params, cache, tokens, positions, active, *, config):
