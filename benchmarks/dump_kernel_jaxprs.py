@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import jflash
+from tests import test_util
 
 # (q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype)
 SHAPES = ((100, 257, 4, 1, 80, "bfloat16"), (64, 64, 2, 2, 128, "float32"))
@@ -76,20 +77,6 @@ def _options():
       extra.items(), (False, True)):
     configs.append((label, GQA, is_causal, kwargs))
   return configs
-
-
-def _pallas_calls(jaxpr, found):
-  """Appends every pallas_call equation under `jaxpr`, in trace order."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      found.append(eqn)
-      continue
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else (param,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          _pallas_calls(inner, found)
-  return found
 
 
 def _describe(eqn) -> str:
@@ -172,7 +159,8 @@ def main(path: str, full: bool, mosaic: bool = False) -> None:
 
     jaxpr = jax.make_jaxpr(value_and_grads)(q, k, k)
     body = (str(jaxpr) if full else "\n\n".join(
-        _describe(e) for e in _pallas_calls(jaxpr.jaxpr, [])))
+        _describe(e) for e in test_util.equations(jaxpr.jaxpr,
+                                                   "pallas_call")))
     texts.append(f"== {label} causal={is_causal} {shape}\n{body}")
   with open(path, "w") as f:
     f.write("\n\n".join(texts))
