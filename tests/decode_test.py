@@ -161,39 +161,51 @@ class DecodeTest(parameterized.TestCase):
     out_dense = self._check(options, q, k, v, lengths, **kwargs)[0]
     np.testing.assert_allclose(out_paged, out_dense, atol=2e-6, rtol=2e-6)
 
-  @parameterized.product(page_size=(16, 48), num_tokens=(1, 5))
-  def test_tiles_that_span_pages(self, page_size, num_tokens):
-    # 32-key tiles over pages of 16 or 48 keys: a tile gathers its rows
-    # from two pages. Table entries past each sequence's pages name a page
-    # of NaNs: the kernel must not read them (a masked product would still
-    # give 0 * NaN).
+  @parameterized.named_parameters(
+      ("triton_gathered_tiles_16", "triton", 16, 1),
+      ("triton_gathered_tiles_48", "triton", 48, 5),
+      ("triton_tiles_in_one_page", "triton", 64, 5),
+      ("xla_16", "xla", 16, 5),
+      ("xla_64", "xla", 64, 1))
+  def test_nothing_past_the_lengths_is_read(self, implementation, page_size,
+                                            num_tokens):
+    # NaN wherever a sequence has no entry: in the dense cache's rows past
+    # its length, in the rest of its last page, and in the page that the
+    # table names past its pages. With 32-key tiles, pages of 16 and 48
+    # make tiles gather rows from two pages; pages of 64 hold whole tiles.
+    # Nothing of it may reach the output (a masked product would still give
+    # 0 * NaN).
     self.enter_context(mock.patch.object(
         decode, "DEFAULT_LAUNCH", decode.DecodeLaunch(block_k=32)))
+    options = dict(IMPLEMENTATIONS)[implementation]
     q, k, v = _inputs(9, num_tokens=num_tokens, num_heads=8, num_kv_heads=2,
                       kv_seq=192)
     lengths = jnp.array([192, 70, 0], jnp.int32)
+    expected = self._check(options, q, k, v, lengths)[0]
+    written = (np.arange(k.shape[1])[None, :]
+               < np.asarray(lengths)[:, None])[:, :, None, None]
+    k, v = (np.where(written, np.asarray(x), np.nan) for x in (k, v))
+    out = jflash.decode_attention(q, k, v, lengths, num_splits=2, **options)
+    np.testing.assert_allclose(out, expected, atol=2e-6, rtol=2e-6)
+
     batch, kv_seq = k.shape[:2]
     max_pages = kv_seq // page_size
     order = np.random.default_rng(page_size).permutation(batch * max_pages)
-    block_table = order.reshape(batch, max_pages)
     poison = batch * max_pages  # The last page: all NaN.
     used = -(-np.asarray(lengths) // page_size)
     block_table = np.where(np.arange(max_pages)[None] < used[:, None],
-                           block_table, poison)
+                           order.reshape(batch, max_pages), poison)
 
     def paged(cache):
       pages = np.full((poison + 1, page_size, *cache.shape[2:]), np.nan,
                       np.float32)
-      pages[order] = np.asarray(cache).reshape(-1, page_size,
-                                               *cache.shape[2:])
+      pages[order] = cache.reshape(-1, page_size, *cache.shape[2:])
       return jnp.asarray(pages)
 
-    options = IMPLEMENTATIONS[0][1]
-    out_paged = jflash.decode_attention(
+    out = jflash.decode_attention(
         q, paged(k), paged(v), lengths, block_table=jnp.asarray(block_table),
         num_splits=2, **options)
-    out_dense = self._check(options, q, k, v, lengths)[0]
-    np.testing.assert_allclose(out_paged, out_dense, atol=2e-6, rtol=2e-6)
+    np.testing.assert_allclose(out, expected, atol=2e-6, rtol=2e-6)
 
   def test_every_split_count_gives_the_same_result(self):
     q, k, v = _inputs(3, num_tokens=2)
@@ -309,6 +321,42 @@ class FlashAttentionDecodeBackendTest(parameterized.TestCase):
       np.testing.assert_allclose(np.where(np.isinf(y), 0, x),
                                  np.where(np.isinf(y), 0, y), atol=2e-5,
                                  rtol=2e-5)
+
+  @parameterized.named_parameters(
+      ("bottom_right_window_lengths", dict(
+          is_causal=True, causal_alignment="bottom_right",
+          local_window_size=(20, 0),
+          query_seq_lengths=jnp.array([3, 1, 0]),
+          key_value_seq_lengths=jnp.array([96, 40, 7]))),
+      ("sinks_soft_cap", dict(logits_soft_cap=4.0,
+                              sinks=jnp.linspace(-1.0, 1.0, 8))),
+  )
+  def test_default_route_gradients(self, options):
+    # implementation=None: the decode kernel runs the forward and another
+    # backend the backward, from the decode kernel's residuals (out and
+    # lse); output, lse and all gradients against the XLA path.
+    q, k, v = _inputs(11, num_tokens=3, num_heads=8, num_kv_heads=2)
+    cotangents = _inputs(12, num_tokens=3, num_heads=8, num_kv_heads=2)[0]
+    lse_cotangent = jax.random.normal(jax.random.key(13), (3, 3, 8))
+
+    def value_and_grads(implementation, **kwargs):
+      def loss(q, k, v):
+        out, lse = jflash.flash_attention(
+            q, k, v, implementation=implementation, return_residual=True,
+            residual_dtype=jnp.float32, **options, **kwargs)
+        lse = jnp.where(jnp.isinf(lse), 0.0, lse)
+        return (jnp.sum(out * cotangents) + jnp.sum(lse * lse_cotangent),
+                (out, lse))
+      return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    with test_util.decode_backend_by_default() as kernel_calls:
+      grads, (out, lse) = value_and_grads(None,
+                                          interpret=test_util.INTERPRET)
+    self.assertGreater(kernel_calls.call_count, 0)
+    expected_grads, (expected_out, expected_lse) = value_and_grads("xla")
+    for got, want in ((out, expected_out), (lse, expected_lse),
+                      *zip(grads, expected_grads)):
+      np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
   def test_forward_only_and_its_limits(self):
     q, k, v = _inputs(10, num_tokens=2)

@@ -178,6 +178,10 @@ def _xla_decode(query, key, value, lengths, block_table, sinks, slopes, *,
     key, value = (_gather_pages(x, block_table) for x in (key, value))
   batch, num_tokens, num_heads, _ = query.shape
   kv_seq, num_kv_heads = key.shape[1:3]
+  # Entries past a sequence's length count as zeros, whatever the cache
+  # holds there (a zero probability times a NaN value would still be NaN).
+  written = (jnp.arange(kv_seq)[None, :] < lengths[:, None])[:, :, None, None]
+  key, value = (jnp.where(written, x, 0) for x in (key, value))
   group = num_heads // num_kv_heads
   dtype = jnp.promote_types(query.dtype, jnp.float32)
   k = jnp.repeat(key.astype(dtype), group, axis=2)
@@ -290,7 +294,9 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
       in page block_table[b, p // page_size] at row p % page_size. Page ids
       are not checked when the call runs: an id outside [0, num_pages) for
       a position below the length is undefined behaviour (as in
-      FlashAttention); entries past a sequence's length are never read.
+      FlashAttention). Table entries and cache rows past a sequence's
+      length never affect the result, whatever they hold (the kernel does
+      not read them).
     scale: logit scale; default 1 / sqrt(H).
     is_causal: as above.
     local_window_size: (left, right) or one int: token t sees positions

@@ -212,7 +212,10 @@ _DIFFERENTIABLE = ("query", "key", "value", "bias")
 
 def backward(spec: CallSpec, config, operands: Operands, out, lse2, dout,
              dlse=None):
-  """Cotangents from the residuals, as the kernels compute them.
+  """Cotangents from the residuals, as the kernels compute them (but for
+  one rounding: with 16-bit inputs the probabilities enter P V in the input
+  dtype, so autodiff rounds dP to it too, where the kernels keep dP in
+  float32; ~5e-3 relative in bf16, as the autodiff path before).
 
   The probabilities come from the given base-2 lse, p = exp(logit - lse),
   and delta = rowsum(dO * O) - dlse from the given output (FlashAttention-2's

@@ -38,10 +38,12 @@ from jflash._src.spec import MaskSpec
 
 def _dense_tile(ref, k_start, *, block_k: int, head_dim: int, batch,
                 table_ref=None, kv_len=None):
-  """Key/value rows [k_start, k_start + block_k) of a dense [S, H_p] ref
-  (rows past S read 0)."""
-  del batch, table_ref, kv_len
-  return tiles.load_tile(ref, k_start, block_k, seq_len=ref.shape[0],
+  """Key/value rows [k_start, k_start + block_k) of a dense [S, H_p] ref;
+  rows at or past the sequence's length are not read (0), so whatever the
+  cache holds there (even NaN) cannot reach the output."""
+  del batch, table_ref
+  return tiles.load_tile(ref, k_start, block_k,
+                         seq_len=jnp.minimum(kv_len, ref.shape[0]),
                          head_dim=head_dim)
 
 
@@ -52,21 +54,23 @@ def _paged_tile(ref, k_start, *, block_k: int, head_dim: int, batch,
 
   When block_k divides the page size a tile lies in one page: one page id
   and a contiguous load. Otherwise (small pages) the tile gathers its rows
-  from the pages they lie in; rows past the sequence's length are not read
-  (their table entries may not name a page yet) and come in as zeros.
+  from the pages they lie in. Either way rows past the sequence's length
+  are not read (their table entries may not name a page yet, and the rest
+  of the last page may hold anything) and come in as zeros.
   """
   page_size, head_dim_p = ref.shape[1], ref.shape[-1]
   columns = jnp.arange(head_dim_p, dtype=jnp.int32) < head_dim
-  if page_size % block_k == 0:
-    page = plgpu.load(table_ref.at[batch, lax.div(k_start, page_size)])
-    idx = (page, pl.ds(lax.rem(k_start, page_size), block_k), slice(None))
-    if head_dim == head_dim_p:
-      return plgpu.load(ref.at[idx])
-    return plgpu.load(ref.at[idx], other=0.0, mask=jnp.broadcast_to(
-        columns[None, :], (block_k, head_dim_p)))
+  max_pages = table_ref.shape[1]
   rows = k_start + jnp.arange(block_k, dtype=jnp.int32)
-  valid = rows < kv_len
-  slots = jnp.minimum(lax.div(rows, page_size), table_ref.shape[1] - 1)
+  # (A length past the table's pages reads no further than its last page.)
+  valid = rows < jnp.minimum(kv_len, max_pages * page_size)
+  if page_size % block_k == 0:
+    slot = jnp.minimum(lax.div(k_start, page_size), max_pages - 1)
+    page = plgpu.load(table_ref.at[batch, slot])
+    idx = (page, pl.ds(lax.rem(k_start, page_size), block_k), slice(None))
+    return plgpu.load(ref.at[idx], other=0.0,
+                      mask=valid[:, None] & columns[None, :])
+  slots = jnp.minimum(lax.div(rows, page_size), max_pages - 1)
   pages = plgpu.load(table_ref.at[batch, slots], mask=valid, other=0)
   # Integer indices in every dimension (a gather; the interpreter takes no
   # mix of slices and index arrays).
