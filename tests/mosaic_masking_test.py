@@ -150,6 +150,11 @@ CASES = (
     ("d256_gqa_causal_lengths",
      _case(2, 140, 200, 4, 1, 256, is_causal=True,
            lengths=((140, 77), (200, 150)))),
+    # No mask and no lengths: the tile ranges are known when the kernels
+    # are traced (pipeline.consumer_runs' static runs, empty runs left
+    # out); T and S not tile multiples leave a masked last key tile.
+    ("no_mask_static_runs_gqa_sinks",
+     _case(2, 150, 200, 4, 2, 128, soft_cap=10.0, sinks=True)),
     ("no_mask_lengths_soft_cap",
      _case(2, 70, 150, 2, 1, 64, soft_cap=10.0,
            lengths=((70, 1), (150, 64)))),
