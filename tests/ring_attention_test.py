@@ -357,6 +357,8 @@ class BadInputTest(parameterized.TestCase):
       self._call(strategy="ulysses")
     with self.assertRaisesRegex(ValueError, "mesh must be"):
       self._call(mesh=jax.devices())
+    with self.assertRaisesRegex(ValueError, r"dropout_rate.*\[0, 1\).*-0.1"):
+      self._call(dropout_rate=-0.1)
 
   def test_what_flash_attention_refuses(self):
     with self.assertRaisesRegex(ValueError, "q_segment_ids must have shape"):

@@ -363,7 +363,7 @@ def _apply_sinks(out, lse, sinks):
   keys, sink = jnp.exp(lse - top), jnp.exp(sinks - top)
   total = keys + sink
   factor = keys / jnp.where(total > 0.0, total, 1.0)
-  return out * ring_loop._per_row(factor)  # pylint: disable=protected-access
+  return out * ring_loop.per_row(factor)
 
 
 # The all-gather strategy.
@@ -410,7 +410,7 @@ def _all_gather_attention(call: api.DescribedCall, sinks, *, axis_name,
     outs.append(flash(
         ops.query[:, start:stop], key, value, is_causal=True,
         causal_alignment="bottom_right", key_value_seq_lengths=kv_len,
-        q_segment_ids=ring_loop._slice_rows(  # pylint: disable=protected-access
+        q_segment_ids=ring_loop.slice_rows(
             ops.q_segment_ids, start, stop),
         kv_segment_ids=kv_ids))
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
@@ -522,7 +522,8 @@ def _check_options(name: str, arguments: dict[str, Any]):
       check the same options the same way.
 
   Raises:
-    ValueError: for an unknown layout or strategy.
+    ValueError: for an unknown layout or strategy, or a dropout_rate
+      outside [0, 1).
     NotImplementedError: naming the first option of `_UNSUPPORTED` set.
   """
   layout, strategy = arguments["layout"], arguments["strategy"]
@@ -531,6 +532,10 @@ def _check_options(name: str, arguments: dict[str, Any]):
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {STRATEGIES}; got "
                      f"{strategy!r}.")
+  rate = arguments["dropout_rate"]
+  if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be a float in [0, 1); got "
+                     f"{rate!r}.")
   for option, reason in _UNSUPPORTED.items():
     value = arguments[option]
     if value is None or (option == "dropout_rate" and value == 0.0):

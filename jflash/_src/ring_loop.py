@@ -146,7 +146,7 @@ def _residual_form(lse2):
   return jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)
 
 
-def _per_row(x):
+def per_row(x):
   """[B, N, T] -> [B, T, N, 1], to scale outputs [B, T, N, H] per row."""
   return jnp.swapaxes(x, 1, 2)[..., None]
 
@@ -172,8 +172,8 @@ def merge(partial_a, partial_b):
   seen = total > 0.0
   safe_total = jnp.where(seen, total, 1.0)
   lse = jnp.where(seen, top + jnp.log2(safe_total), -jnp.inf)
-  out = (out_a.astype(jnp.float32) * _per_row(weight_a / safe_total)
-         + out_b.astype(jnp.float32) * _per_row(weight_b / safe_total))
+  out = (out_a.astype(jnp.float32) * per_row(weight_a / safe_total)
+         + out_b.astype(jnp.float32) * per_row(weight_b / safe_total))
   return out, lse
 
 
@@ -182,7 +182,7 @@ def _block_partial(block: Block, q, k, v, q_ids, kv_ids):
   return out.astype(jnp.float32), _merge_form(lse2)
 
 
-def _slice_rows(x, start, stop):
+def slice_rows(x, start, stop):
   """Rows [start, stop) of an optional [B, T, ...] array."""
   return None if x is None else x[:, start:stop]
 
@@ -245,12 +245,12 @@ def _forward_step(ring: Ring, block_partial, rank, step, q, q_ids, kv, acc):
   def lower(acc):
     return merge(acc, block_partial(
         ring.lower, q, k[:, :half], v[:, :half], q_ids,
-        _slice_rows(kv_ids, 0, half)))
+        slice_rows(kv_ids, 0, half)))
 
   def upper(acc):
     out, lse2 = acc
     high = merge((out[:, half:], lse2[..., half:]), block_partial(
-        ring.upper, q[:, half:], k, v, _slice_rows(q_ids, half, None),
+        ring.upper, q[:, half:], k, v, slice_rows(q_ids, half, None),
         kv_ids))
     return (out.at[:, half:].set(high[0]),
             lse2.at[..., half:].set(high[1]))
@@ -354,13 +354,13 @@ def _backward_step(ring: Ring, rank, step, q, q_ids, kv, rows, dq):
 
   def lower(dq):
     gq, gk, gv = ring.lower.backward(q, k[:, :half], v[:, :half], q_ids,
-                                     _slice_rows(kv_ids, 0, half), *rows)
+                                     slice_rows(kv_ids, 0, half), *rows)
     return dq + f32(gq), (pad(gk), pad(gv))
 
   def upper(dq):
     out, lse2, dout, dlse = rows
     gq, gk, gv = ring.upper.backward(
-        q[:, half:], k, v, _slice_rows(q_ids, half, None), kv_ids,
+        q[:, half:], k, v, slice_rows(q_ids, half, None), kv_ids,
         out[:, half:], lse2[..., half:], dout[:, half:],
         None if dlse is None else dlse[..., half:])
     return dq.at[:, half:].add(f32(gq)), (f32(gk), f32(gv))
