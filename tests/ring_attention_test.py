@@ -364,6 +364,15 @@ class BadInputTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "q_segment_ids must have shape"):
       self._call(q_segment_ids=jnp.zeros((B, 32), jnp.int32),
                  kv_segment_ids=jnp.zeros((B, 64), jnp.int32))
+    # Unbatched inputs: the message names the shapes as given.
+    q = jnp.zeros((64, N, H))
+    ids = jnp.zeros((1, 64), jnp.int32)
+    with self.assertRaisesRegex(
+        ValueError, r"q_segment_ids.shape=\(1, 64\) \(query.shape=\(64, 4, "
+        r"16\)"):
+      jflash.ring_attention(
+          q, q, q, mesh=jax.sharding.AbstractMesh((4,), (AXIS,)),
+          axis_name=AXIS, q_segment_ids=ids, kv_segment_ids=ids)
 
   @parameterized.parameters(
       ("local_window_size", (8, 0)), ("alibi_slopes", np.ones(N)),

@@ -162,6 +162,11 @@ def ring_attention(
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                      f"(its axes: {tuple(mesh.axis_names)}).")
   if jnp.ndim(query) == 3:  # Unbatched: add the batch axis, then drop it.
+    # Checked first as given, so that errors name the caller's shapes.
+    api.describe(query, key, value, is_causal=is_causal,
+                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                 scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                 block_sizes=block_sizes, interpret=interpret)
     add = lambda x: None if x is None else jnp.asarray(x)[None]
     return ring_attention(
         add(query), add(key), add(value), mesh=mesh, axis_name=axis_name,
