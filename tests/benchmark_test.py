@@ -6,7 +6,6 @@ FLOP count, and train_step.py's losses and ratios.
 """
 
 import contextlib
-import functools
 import importlib.util
 import io
 import json
@@ -16,8 +15,6 @@ import sys
 import tempfile
 
 from absl.testing import absltest
-import chex
-import jax
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -157,23 +154,6 @@ class TrainStepTest(absltest.TestCase):
     self.assertIsNone(train_step.xla_skip_reason(2, 8192, cfg, args))
     self.assertIn("skipped: N=32768",
                   train_step.xla_skip_reason(1, 32768, cfg, args))
-
-  def test_scan_and_remat_do_not_change_loss_or_gradients(self):
-    results = []
-    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 64)
-    for remat, scan_layers in ((False, False), (True, True)):
-      cfg = train_step.Config(layers=2, d_model=32, heads=4, kv_heads=2,
-                              vocab=64, remat=remat, scan_layers=scan_layers)
-      params = train_step.init_params(jax.random.key(0), cfg)
-      loss_and_grads = jax.jit(jax.value_and_grad(functools.partial(
-          train_step.loss_fn, cfg=cfg,
-          attention=run.attention_fn("xla", True))))
-      results.append(loss_and_grads(params, tokens))
-    chex.assert_tree_all_finite(results)
-    # Same math; bf16 roundings land differently in other fusions (gradient
-    # entries are about 0.02 here, differences up to about 6e-4).
-    chex.assert_trees_all_close(results[0], results[1], rtol=2e-2,
-                                atol=2e-3)
 
 
 if __name__ == "__main__":

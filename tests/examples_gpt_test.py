@@ -58,7 +58,7 @@ class GptExampleTest(absltest.TestCase):
 
   def test_flax_attention_gives_the_same_loss_curve(self):
     # Same seed, same parameters: only the attention implementation differs.
-    argv = ["--tiny", "--steps", "4", "--generate", "2", "--heads", "4",
+    argv = ["--tiny", "--steps", "2", "--generate", "2", "--heads", "4",
             "--kv-heads", "2"]
     jflash_result, _ = run_main(self.gpt, argv + ["--attention", "jflash"])
     flax_result, flax_text = run_main(self.gpt, argv + ["--attention",
