@@ -187,6 +187,13 @@ class QueryBlock(NamedTuple):
   steps_hi: jax.Array
 
 
+def _span(runs):
+  """(lo, hi) of adjacent `masks` runs: the tiles a block's producer
+  streams (Python ints when known at trace time, else int32 scalars)."""
+  lo = static_or_int32(runs[0][0])
+  return lo, _maximum(static_or_int32(runs[-1][1]), lo)
+
+
 def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
                 q_seq: int, kv_seq: int, block_rows: int,
                 block_kv: int) -> QueryBlock:
@@ -201,8 +208,7 @@ def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
   offset = masks.causal_offset(mask, q_len, kv_len)
   union = masks.key_blocks(mask, start, block_rows, block_kv, q_len, kv_len,
                            offset).runs()
-  steps_lo = static_or_int32(union[0][0])
-  steps_hi = _maximum(static_or_int32(union[-1][1]), steps_lo)
+  steps_lo, steps_hi = _span(union)
   return QueryBlock(batch=batch, head=head, warpgroup=warpgroup,
                     start=start, q_len=q_len, kv_len=kv_len, offset=offset,
                     steps_lo=steps_lo, steps_hi=steps_hi)
@@ -276,8 +282,7 @@ def key_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *, q_seq: int,
   offset = masks.causal_offset(mask, q_len, kv_len)
   union = masks.query_blocks(mask, start, block_rows, block_q, q_len, kv_len,
                              offset).runs()
-  tiles_lo = static_or_int32(union[0][0])
-  tiles_hi = _maximum(static_or_int32(union[-1][1]), tiles_lo)
+  tiles_lo, tiles_hi = _span(union)
   # Steps: (head of the group, query tile in [tiles_lo, tiles_hi)).
   tiles_per_head = tiles_hi - tiles_lo
   return KeyBlock(batch=batch, kv_head=kv_head, warpgroup=warpgroup,
