@@ -29,8 +29,11 @@ CASES = (
     ("plain", (2, 256, 256, 4, 4, 128), "bfloat16", {}, None),
     ("fp16_d64_ragged_causal", (1, 100, 300, 2, 2, 64), "float16",
      dict(is_causal=True), None),
-    ("d256_gqa_causal_lengths", (3, 128, 256, 4, 1, 256), "bfloat16",
-     dict(is_causal=True, has_lengths=True), None),
+    ("d256_gqa_causal_lengths_segments", (3, 128, 256, 4, 1, 256),
+     "bfloat16", dict(is_causal=True, has_lengths=True, has_segments=True),
+     None),
+    ("ragged_gqa_segments_soft_cap", (2, 200, 130, 4, 2, 128), "bfloat16",
+     dict(has_segments=True), 10.0),
     ("bottom_right_window_soft_cap", (1, 200, 520, 2, 2, 128), "bfloat16",
      dict(is_causal=True, bottom_right=True, window=(100, 0)), 20.0),
     ("two_sided_window_sinks", (2, 256, 256, 2, 2, 64), "bfloat16",
@@ -76,16 +79,24 @@ class MosaicLoweringTest(parameterized.TestCase):
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
 
     sinks = jax.ShapeDtypeStruct((batch, heads), jnp.float32)
+    segment_ids = (jax.ShapeDtypeStruct((batch, q_len), jnp.int32),
+                   jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
 
-    def forward(q, k, v, q_lengths, kv_lengths, sinks):
+    def operands_of(q, k, v, q_lengths, kv_lengths, sinks, segment_ids):
       operands = Operands(query=q, key=k, value=v,
                           sinks=sinks if name.endswith("sinks") else None)
       if spec.mask.has_lengths:
         operands = operands.replace(q_lengths=q_lengths,
                                     kv_lengths=kv_lengths)
-      return mosaic_backend.forward(spec, config, operands)
+      if spec.mask.has_segments:
+        operands = operands.replace(q_segment_ids=segment_ids[0],
+                                    kv_segment_ids=segment_ids[1])
+      return operands
 
-    args = (q, kv, kv, lengths, lengths, sinks)
+    def forward(*args):
+      return mosaic_backend.forward(spec, config, operands_of(*args))
+
+    args = (q, kv, kv, lengths, lengths, sinks, segment_ids)
     text = _lower(forward, *args)
     self.assertIn("mosaic_gpu", text)
     out, lse2 = jax.eval_shape(forward, *args)
@@ -93,15 +104,12 @@ class MosaicLoweringTest(parameterized.TestCase):
     self.assertEqual((lse2.shape, lse2.dtype),
                      ((batch, heads, q_len), jnp.float32))
 
-    def backward(q, k, v, q_lengths, kv_lengths, sinks, out, lse2, dout,
-                 dlse):
-      operands = Operands(query=q, key=k, value=v,
-                          sinks=sinks if name.endswith("sinks") else None)
-      if spec.mask.has_lengths:
-        operands = operands.replace(q_lengths=q_lengths,
-                                    kv_lengths=kv_lengths)
-      return mosaic_backend.backward(spec, config, operands, out, lse2,
-                                     dout, dlse)
+    def backward(q, k, v, q_lengths, kv_lengths, sinks, segment_ids, out,
+                 lse2, dout, dlse):
+      return mosaic_backend.backward(
+          spec, config,
+          operands_of(q, k, v, q_lengths, kv_lengths, sinks, segment_ids),
+          out, lse2, dout, dlse)
 
     grads = jax.eval_shape(backward, *args, out, lse2, out, lse2)
     self.assertIn("mosaic_gpu", _lower(backward, *args, out, lse2, out,

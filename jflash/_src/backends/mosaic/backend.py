@@ -19,6 +19,7 @@ from jflash._src import platform
 from jflash._src import registry
 from jflash._src.backends.mosaic import backward as backward_kernels
 from jflash._src.backends.mosaic import forward as forward_kernels
+from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.mosaic.config import MosaicConfig
 from jflash._src.backends.mosaic.config import default_block_sizes
@@ -31,7 +32,8 @@ CAPABILITIES = registry.Capabilities(
     dtypes=("bfloat16", "float16"),
     max_head_dim=256,
     head_dims=frozenset({64, 128, 256}),
-    mask_features=frozenset({"causal", "bottom_right", "window", "lengths"}),
+    mask_features=frozenset({"causal", "bottom_right", "window", "lengths",
+                             "segments"}),
     options=frozenset({"soft_cap", "sinks", "return_lse"}),
     platforms=frozenset({"cuda"}),
     compute_capabilities=frozenset({"9.0"}),
@@ -68,11 +70,21 @@ def _lengths(spec: CallSpec, operands: Operands):
   return operands.lengths()
 
 
+def _segment_ids(spec: CallSpec, operands: Operands):
+  """The kernels' `pipeline.SegmentIds` (ids and filled lengths), or None
+  without segments."""
+  if not spec.mask.has_segments:
+    return None
+  return pipeline.SegmentIds(operands.q_segment_ids, operands.kv_segment_ids,
+                             *operands.lengths())
+
+
 def forward(spec: CallSpec, config: MosaicConfig, operands: Operands):
   """(out, lse2): the warp-specialized forward kernel."""
   return forward_kernels.forward_call(
       operands.query, operands.key, operands.value,
-      *_lengths(spec, operands), operands.sinks, spec=spec,
+      *_lengths(spec, operands), operands.sinks,
+      _segment_ids(spec, operands), spec=spec,
       block_sizes=config.block_sizes)
 
 
@@ -92,7 +104,7 @@ def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,
     delta = delta - dlse
   dq, dk, dv = backward_kernels.backward_call(
       operands.query, operands.key, operands.value, out, dout, lse2, delta,
-      *_lengths(spec, operands), spec=spec,
+      *_lengths(spec, operands), _segment_ids(spec, operands), spec=spec,
       block_sizes=config.block_sizes)
   dsinks = None
   if operands.sinks is not None:

@@ -122,12 +122,27 @@ def _for_each_compute_warpgroup(wg, chunks: int, consumer):
         functools.partial(consumer, lax.div(wg, chunks), chunk))
 
 
+def _segment_sources(segments, ids_smem):
+  """((own ids in GMEM, their shared memory), (streamed ids, their ring)) of
+  a kernel with segments (ids_smem: (own, ring)), else (None, None)."""
+  if segments is None:
+    return None, None
+  return ((segments.own_ids, ids_smem[0]),
+          (segments.streamed_ids, ids_smem[1]))
+
+
+def _ranges(segments, name: str):
+  """The host's `name` tile ranges ref, or None without segments."""
+  return None if segments is None else getattr(segments, name)
+
+
 def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-              q_lengths_ref, kv_lengths_ref, dq_ref, scratch, *,
+              q_lengths_ref, kv_lengths_ref, segments, dq_ref, scratch, *,
               mask: MaskSpec, scale: float, soft_cap: float | None,
               block_q: int, block_kv: int, stages: int, row_groups: int,
               chunks: int, group: int, q_seq: int, kv_seq: int):
-  (rows_smem, lse_smem, delta_smem, k_smem, v_smem), barriers = scratch
+  (rows_smem, lse_smem, delta_smem, k_smem, v_smem, ids_smem), barriers = (
+      scratch)
   (q_smem, do_smem), stage = _unpack_rows(rows_smem, chunks)
   q_ready, do_ready, k_ready, v_ready, consumed, done = barriers
   head_dim = q_ref.shape[3]
@@ -137,9 +152,13 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 
   block = pipeline.query_block(
       mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
-      block_rows=block_rows, block_kv=block_kv)
+      block_rows=block_rows, block_kv=block_kv,
+      ranges_ref=_ranges(segments, "block_ranges"))
   (batch, head, wg, block_start, q_len, kv_len, offset, steps_lo,
    steps_hi) = block
+  # With segments: each row group's ids (loaded with its Q), and the ring of
+  # the key tiles' ids (loaded with K).
+  q_ids, kv_ids = _segment_sources(segments, ids_smem)
 
   slot_of = functools.partial(pipeline.slot_of, lo=steps_lo, stages=stages)
 
@@ -162,6 +181,16 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                                             layout=wgmma_layout)
     columns = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
                                      layout=wgmma_layout)
+    row_segments = (None if q_ids is None
+                    else pipeline.ids_vector(q_ids[1].at[row_group], 0))
+
+    def segment_tiles(slot):
+      """(q_ids, kv_ids) tiles of key tile `slot`, or () without segments."""
+      if row_segments is None:
+        return ()
+      return (pipeline.ids_tile(row_segments, tile_shape, 0),
+              pipeline.ids_tile(
+                  pipeline.ids_vector(kv_ids[1].at[slot], 1), tile_shape, 1))
 
     def step(kv_step, dq, *, kind: str):
       slot = slot_of(kv_step)
@@ -183,7 +212,8 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
       probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [0]))
       if kind == "masked":
         seen = pipeline.key_tile_visible(mask, rows, columns, kv_step,
-                                         block_kv, kv_len, offset)
+                                         block_kv, kv_len, offset,
+                                         *segment_tiles(slot))
         probs = jnp.where(seen, probs, 0.0)
       ds = _score_gradient(probs, capped, dp,
                            lax.broadcast_in_dim(delta, tile_shape, [0]))
@@ -199,7 +229,8 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 
     dq = plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32),
                            wgmma_layout)
-    own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv)
+    own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv,
+                             _ranges(segments, "group_ranges"))
     for lo, hi, kind in pipeline.consumer_runs(own, steps_lo, steps_hi):
       dq = lax.fori_loop(lo, hi, functools.partial(step, kind=kind), dq)
 
@@ -226,23 +257,26 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     kv_head = pipeline.kv_head_of(head, group)
     load_rows = pipeline.query_loader(
         q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem, do_smem,
-        delta_smem, q_ready, do_ready, batch=batch, block_q=block_q)
+        delta_smem, q_ready, do_ready, batch=batch, block_q=block_q,
+        ids=q_ids)
     for row_group in range(row_groups):
       load_rows(head, pipeline.row_group_start(block_start, row_group,
                                                block_q), row_group)
 
     load = pipeline.key_value_loader(
         k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, batch=batch,
-        kv_head=kv_head, block_kv=block_kv)
+        kv_head=kv_head, block_kv=block_kv, ids=kv_ids)
     pipeline.produce(load, steps_lo, steps_hi, stages, (consumed,))
 
 
 def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               q_lengths_ref, kv_lengths_ref, dk_ref, dv_ref, scratch, *,
-               mask: MaskSpec, scale: float, soft_cap: float | None,
-               block_q: int, block_kv: int, stages: int, row_groups: int,
-               chunks: int, group: int, q_seq: int, kv_seq: int):
-  (rows_smem, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
+               q_lengths_ref, kv_lengths_ref, segments, dk_ref, dv_ref,
+               scratch, *, mask: MaskSpec, scale: float,
+               soft_cap: float | None, block_q: int, block_kv: int,
+               stages: int, row_groups: int, chunks: int, group: int,
+               q_seq: int, kv_seq: int):
+  (rows_smem, q_smem, do_smem, lse_smem, delta_smem, ids_smem), barriers = (
+      scratch)
   (k_smem, v_smem), stage = _unpack_rows(rows_smem, chunks)
   kv_ready, q_ready, do_ready, consumed, done = barriers
   head_dim = q_ref.shape[3]
@@ -252,9 +286,13 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 
   block = pipeline.key_block(
       mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
-      block_rows=block_rows, block_q=block_q, group=group)
+      block_rows=block_rows, block_q=block_q, group=group,
+      ranges_ref=_ranges(segments, "block_ranges"))
   (batch, kv_head, wg, block_start, q_len, kv_len, offset, tiles_lo,
    tiles_hi, tiles_per_head, num_steps) = block
+  # With segments: each row group's key ids (loaded with its K and V), and
+  # the ring of the query tiles' ids (loaded with Q).
+  kv_ids, q_ids = _segment_sources(segments, ids_smem)
 
   def consumer(row_group, chunk: int):
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
@@ -272,6 +310,17 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                                            layout=wgmma_layout)
     query_vector = plgpu.broadcasted_iota(jnp.int32, (block_q,), 0,
                                           layout=column_layout)
+    key_segments = (None if kv_ids is None
+                    else pipeline.ids_vector(kv_ids[1].at[row_group], 0))
+
+    def segment_tiles(slot):
+      """(q_ids, kv_ids) tiles of query tile `slot` (columns) and of this
+      warpgroup's keys (rows), or () without segments."""
+      if key_segments is None:
+        return ()
+      return (pipeline.ids_tile(pipeline.ids_vector(q_ids[1].at[slot], 1),
+                                tile_shape, 1),
+              pipeline.ids_tile(key_segments, tile_shape, 0))
 
     def step(q_tile_index, carry, *, head_step, kind: str):
       dk, dv = carry
@@ -296,7 +345,8 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
       probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [1]))
       if kind == "masked":
         seen = pipeline.query_tile_visible(mask, query_offsets, q_start,
-                                           key_ids, kv_len, offset)
+                                           key_ids, kv_len, offset,
+                                           *segment_tiles(slot))
         probs = jnp.where(seen, probs, 0.0)
 
       plgpu.barrier_wait(do_ready.at[slot])
@@ -323,7 +373,8 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
       plgpu.barrier_arrive(consumed.at[slot])
       return dk, dv
 
-    own = pipeline.query_tiles(mask, block, k_start, block_kv, block_q)
+    own = pipeline.query_tiles(mask, block, k_start, block_kv, block_q,
+                               _ranges(segments, "group_ranges"))
     own = pipeline.consumer_runs(own, tiles_lo, tiles_hi)
 
     def head_loop(head_step, carry):
@@ -363,17 +414,20 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     for row_group in range(row_groups):
-      rows = (batch, pl.ds(pipeline.row_group_start(block_start, row_group,
-                                                    block_kv), block_kv),
-              kv_head)
+      k_start = pipeline.row_group_start(block_start, row_group, block_kv)
+      rows = (batch, pl.ds(k_start, block_kv), kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[row_group],
                               kv_ready.at[row_group])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[row_group],
                               kv_ready.at[row_group])
+      if kv_ids is not None:
+        pipeline.load_ids(kv_ids, batch, k_start, block_kv, row_group,
+                          kv_ready.at[row_group])
 
     load_rows = pipeline.query_loader(
         q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem, do_smem,
-        delta_smem, q_ready, do_ready, batch=batch, block_q=block_q)
+        delta_smem, q_ready, do_ready, batch=batch, block_q=block_q,
+        ids=q_ids)
 
     def load(step, slot):
       load_rows(*pipeline.group_step_rows(step, block, group, block_q), slot)
@@ -382,8 +436,8 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 
 
 def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
-                  kv_lengths, *, spec: CallSpec,
-                  block_sizes: MosaicBlockSizes):
+                  kv_lengths, segment_ids: pipeline.SegmentIds | None = None,
+                  *, spec: CallSpec, block_sizes: MosaicBlockSizes):
   """Launches the dQ and dK/dV kernels.
 
   Args:
@@ -394,6 +448,7 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
     lse2: the forward's base-2 lse, float32 [B, N, T] (+inf: no key).
     delta: rowsum(dO * O) (less an lse cotangent), float32 [B, N, T].
     q_lengths, kv_lengths: int32 [B], or None without lengths.
+    segment_ids: with segments, the ids and filled lengths, else None.
     spec: the call.
     block_sizes: the tiles.
 
@@ -426,46 +481,84 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
                 row_groups=row_groups, chunks=chunks, group=group,
                 q_seq=q_seq, kv_seq=kv_seq)
   args = (query, key, value, dout, lse2, delta, q_lengths, kv_lengths)
+  has_segments = segment_ids is not None
+  # With segments, the ids come with Q (dQ, dK/dV), K (dQ) or K and V
+  # (dK/dV): one more copy on their barriers.
+  with_ids = int(has_segments)
+
+  def ids_scratch(own_rows: int, ring_rows: int):
+    """Shared memory of the own rows' ids (per row group) and of the
+    ring's (per slot), or () without segments."""
+    if not has_segments:
+      return ()
+    return (plgpu.SMEM((row_groups, own_rows), jnp.int32),
+            plgpu.SMEM((stages, ring_rows), jnp.int32))
+
+  def with_segments(kernel, queries_own: bool, own_rows: int,
+                    ring_rows: int):
+    """(kernel taking its segment refs, its extra operands)."""
+    if not has_segments:
+      return (lambda *refs: kernel(*refs[:len(args)], None,
+                                   *refs[len(args):])), ()
+    segments = pipeline.segment_inputs(
+        segment_ids, queries_own=queries_own,
+        block_rows=row_groups * own_rows, group_rows=own_rows,
+        streamed_rows=ring_rows)
+
+    def with_refs(*refs):
+      n = len(args)
+      kernel(*refs[:n], pipeline.SegmentInputs(*refs[n:n + len(segments)]),
+             *refs[n + len(segments):])
+
+    return with_refs, tuple(segments)
 
   block_q, block_kv = block_sizes.block_q_dq, block_sizes.block_kv_dq
   dq_scratch = (
       (_rows_scratch(tiles, dtype, block_q, head_dim, row_groups, chunks),
        stats(row_groups, block_q), stats(row_groups, block_q),
-       tiles(stages, block_kv), tiles(stages, block_kv)),
-      (plgpu.Barrier(num_arrivals=2, num_barriers=row_groups),  # Q, lse.
+       tiles(stages, block_kv), tiles(stages, block_kv),
+       ids_scratch(block_q, block_kv)),
+      (plgpu.Barrier(num_arrivals=2 + with_ids,
+                     num_barriers=row_groups),  # Q, lse (ids).
        plgpu.Barrier(num_arrivals=2, num_barriers=row_groups),  # dO, delta.
-       plgpu.Barrier(num_barriers=stages),  # K.
+       plgpu.Barrier(num_arrivals=1 + with_ids,
+                     num_barriers=stages),  # K (ids).
        plgpu.Barrier(num_barriers=stages),  # V.
        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)),  # Done.
   )
-  dq = pipeline.launch(
+  kernel, segment_args = with_segments(
       functools.partial(dq_kernel, block_q=block_q, block_kv=block_kv,
-                        **common),
-      dq_scratch,
+                        **common), True, block_q, block_kv)
+  dq = pipeline.launch(
+      kernel, dq_scratch,
       out_type=sharding.output_struct(query.shape, dtype, *args),
       grid=(pl.cdiv(q_seq, row_groups * block_q), num_heads, batch),
       grid_names=("q_tiles", "heads", "batch"),
-      num_threads=COMPUTE_WARPGROUPS + 1, args=args)
+      num_threads=COMPUTE_WARPGROUPS + 1, args=args + segment_args)
 
   block_q, block_kv = block_sizes.block_q_dkv, block_sizes.block_kv_dkv
   dkv_scratch = (
       (_rows_scratch(tiles, dtype, block_kv, head_dim, row_groups, chunks),
        tiles(stages, block_q), tiles(stages, block_q),
-       stats(stages, block_q), stats(stages, block_q)),
-      (plgpu.Barrier(num_arrivals=2, num_barriers=row_groups),  # K, V.
-       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # Q, lse.
+       stats(stages, block_q), stats(stages, block_q),
+       ids_scratch(block_kv, block_q)),
+      (plgpu.Barrier(num_arrivals=2 + with_ids,
+                     num_barriers=row_groups),  # K, V (ids).
+       plgpu.Barrier(num_arrivals=2 + with_ids,
+                     num_barriers=stages),  # Q, lse (ids).
        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # dO, delta.
        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)),  # Done.
   )
   kv_struct = sharding.output_struct(key.shape, dtype, *args)
-  dk, dv = pipeline.launch(
+  kernel, segment_args = with_segments(
       functools.partial(dkv_kernel, block_q=block_q, block_kv=block_kv,
-                        **common),
-      dkv_scratch,
+                        **common), False, block_kv, block_q)
+  dk, dv = pipeline.launch(
+      kernel, dkv_scratch,
       out_type=(kv_struct, kv_struct),
       grid=(pl.cdiv(kv_seq, row_groups * block_kv), num_kv_heads, batch),
       grid_names=("kv_tiles", "heads", "batch"),
-      num_threads=COMPUTE_WARPGROUPS + 1, args=args)
+      num_threads=COMPUTE_WARPGROUPS + 1, args=args + segment_args)
   return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]

@@ -73,11 +73,12 @@ def smem_transforms(dtype) -> tuple:
 
 
 def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
-                   sinks_ref, out_ref, lse_ref, scratch, *, mask: MaskSpec,
-                   scale: float, soft_cap: float | None,
+                   sinks_ref, segments, out_ref, lse_ref, scratch, *,
+                   mask: MaskSpec, scale: float, soft_cap: float | None,
                    block_sizes: MosaicBlockSizes, group: int, q_seq: int,
                    kv_seq: int):
-  (qo_smem, k_smem, v_smem, lse_smem), barriers = scratch
+  """The kernel; `segments`: a `pipeline.SegmentInputs` of refs, or None."""
+  (qo_smem, k_smem, v_smem, lse_smem, ids_smem), barriers = scratch
   (q_ready, k_ready, v_ready, k_consumed, v_consumed,
    schedule) = barriers
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
@@ -88,9 +89,15 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
 
   block = pipeline.query_block(
       mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
-      block_rows=block_rows, block_kv=block_kv)
+      block_rows=block_rows, block_kv=block_kv,
+      ranges_ref=None if segments is None else segments.block_ranges)
   (batch, head, wg, block_start, q_len, kv_len, offset, steps_lo,
    steps_hi) = block
+  # With segments: the rows' ids (one row per consumer) and the ring of the
+  # key tiles' ids, each loaded with its Q or K tile.
+  q_ids, kv_ids = ((None, None) if segments is None else
+                   ((segments.own_ids, ids_smem[0]),
+                    (segments.streamed_ids, ids_smem[1])))
 
   slot_of = functools.partial(pipeline.slot_of, lo=steps_lo, stages=stages)
 
@@ -105,7 +112,11 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     q_tile = qo_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head],
                             q_tile, q_ready.at[wg])
+    if q_ids is not None:
+      pipeline.load_ids(q_ids, batch, q_start, block_q, wg, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
+    row_ids = (None if q_ids is None
+               else pipeline.ids_vector(q_ids[1].at[wg], 0))
 
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -114,6 +125,14 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
                                             layout=wgmma_layout)
     columns = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
                                      layout=wgmma_layout)
+
+    def segment_tiles(slot):
+      """(q_ids, kv_ids) tiles of key tile `slot`, or () without segments."""
+      if row_ids is None:
+        return ()
+      return (pipeline.ids_tile(row_ids, tile_shape, 0),
+              pipeline.ids_tile(
+                  pipeline.ids_vector(kv_ids[1].at[slot], 1), tile_shape, 1))
 
     def step(kv_step, carry, *, kind: str):
       acc, row_max, row_sum = carry
@@ -147,8 +166,9 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
       else:
         logits, _ = numerics.logits_base2(s, scale=scale, soft_cap=soft_cap)
         if kind == "masked":
-          seen = pipeline.key_tile_visible(mask, rows, columns, kv_step,
-                                           block_kv, kv_len, offset)
+          seen = pipeline.key_tile_visible(
+              mask, rows, columns, kv_step, block_kv, kv_len, offset,
+              *segment_tiles(slot))
           logits = jnp.where(seen, logits, numerics.MASK_VALUE)
         new_max = jnp.maximum(row_max, logits.max(axis=1))
         probs = jnp.exp2(logits - lax.broadcast_in_dim(new_max, tile_shape,
@@ -185,7 +205,9 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
         plgpu.layout_cast(jnp.full((block_q,), start_sum, jnp.float32),
                           row_layout),
     )
-    own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv)
+    own = pipeline.key_tiles(
+        mask, block, q_start, block_q, block_kv,
+        None if segments is None else segments.group_ranges)
     # The second consumer starts one turn later: from then on the two
     # alternate between matrix products and softmax.
     pl.when(wg == 1)(take_turn)
@@ -218,7 +240,8 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     load = pipeline.key_value_loader(
         k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, batch=batch,
-        kv_head=pipeline.kv_head_of(head, group), block_kv=block_kv)
+        kv_head=pipeline.kv_head_of(head, group), block_kv=block_kv,
+        ids=kv_ids)
     pipeline.produce(load, steps_lo, steps_hi, stages,
                      (k_consumed, v_consumed))
 
@@ -232,7 +255,8 @@ def pad_rows(x, multiple: int):
   return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
 
 
-def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None, *,
+def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None,
+                 segment_ids: pipeline.SegmentIds | None = None, *,
                  spec: CallSpec, block_sizes: MosaicBlockSizes):
   """Launches the forward kernel.
 
@@ -241,6 +265,7 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None, *,
     key, value: [B, S, K, H].
     q_lengths, kv_lengths: int32 [B], or None without lengths.
     sinks: float32 [B, N] natural-log sink logits, or None.
+    segment_ids: with segments, the ids and filled lengths, else None.
     spec: the call.
     block_sizes: the tiles.
 
@@ -257,6 +282,9 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None, *,
   if q_lengths is None:
     q_lengths = kv_lengths = jnp.zeros((batch,), jnp.int32)  # Unread.
   transforms = smem_transforms(dtype)
+  has_segments = segment_ids is not None
+  # The segment ids come with Q and K: one more copy on their barriers.
+  with_ids = 2 if has_segments else 1
   scratch = (
       (
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype,
@@ -266,10 +294,14 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None, *,
           plgpu.SMEM((stages, block_kv, head_dim), dtype,
                      transforms=transforms),
           plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),
+          ((plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.int32),
+            plgpu.SMEM((stages, block_kv), jnp.int32))
+           if has_segments else ()),
       ),
       (
-          plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
-          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_arrivals=with_ids,
+                        num_barriers=COMPUTE_WARPGROUPS),
+          plgpu.Barrier(num_arrivals=with_ids, num_barriers=stages),
           plgpu.Barrier(num_barriers=stages),
           plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
                         num_barriers=stages),
@@ -283,19 +315,28 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None, *,
       soft_cap=spec.logits_soft_cap, block_sizes=block_sizes,
       group=num_heads // num_kv_heads, q_seq=q_seq, kv_seq=kv_seq)
 
-  def with_optional_sinks(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,
-                          *refs):
-    *sinks_ref, out_ref, lse_ref, scoped = refs
-    kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,
-           sinks_ref[0] if sinks_ref else None, out_ref, lse_ref, scoped)
-
   num_tiles = pl.cdiv(q_seq, COMPUTE_WARPGROUPS * block_q)
+  segments = None
+  if has_segments:
+    segments = pipeline.segment_inputs(
+        segment_ids, queries_own=True,
+        block_rows=COMPUTE_WARPGROUPS * block_q, group_rows=block_q,
+        streamed_rows=block_kv)
+
+  def with_optional_inputs(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,
+                           *refs):
+    *optional, out_ref, lse_ref, scoped = refs
+    sinks_ref, segment_refs = pipeline.split_optional(
+        optional, sinks is not None, has_segments)
+    kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, sinks_ref,
+           segment_refs, out_ref, lse_ref, scoped)
+
   # The lse rows of the last tile are stored by a 1-D copy, which TMA
   # bounds by the whole array, not per row: past T they would land on the
   # next head's rows. Its array is padded to whole tiles instead.
   lse_seq = num_tiles * COMPUTE_WARPGROUPS * block_q
   out, lse2 = pipeline.launch(
-      with_optional_sinks, scratch,
+      with_optional_inputs, scratch,
       out_type=(sharding.output_struct(query.shape, dtype, query, key),
                 sharding.output_struct((batch, num_heads, lse_seq),
                                        jnp.float32, query, key)),
@@ -303,7 +344,8 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None, *,
       grid_names=("q_tiles", "heads", "batch"),
       num_threads=COMPUTE_WARPGROUPS + 1,
       args=(query, key, value, q_lengths, kv_lengths,
-            *([] if sinks is None else [sinks.astype(jnp.float32)])))
+            *([] if sinks is None else [sinks.astype(jnp.float32)]),
+            *([] if segments is None else segments)))
   if out.shape[1] != q_seq:
     out = out[:, :q_seq]
   if lse_seq != q_seq:

@@ -19,7 +19,7 @@ here too.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import lax
@@ -116,26 +116,46 @@ def produce(load: Callable, lo, hi, stages: int, consumed: tuple):
 
 
 def key_value_loader(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, *,
-                     batch, kv_head, block_kv: int) -> Callable:
-  """load(step, slot) of key/value tile `step` of one (batch, kv head)."""
+                     batch, kv_head, block_kv: int,
+                     ids: tuple | None = None) -> Callable:
+  """load(step, slot) of key/value tile `step` of one (batch, kv head).
+
+  ids: with segments, (kv segment ids in GMEM [B, S'], their ring in shared
+    memory [stages, block_kv]): the tile's ids come with K, on `k_ready`
+    (a barrier of two arrivals then).
+  """
 
   def load(step, slot):
     rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot],
                             k_ready.at[slot])
+    if ids is not None:
+      load_ids(ids, batch, step * block_kv, block_kv, slot, k_ready.at[slot])
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot],
                             v_ready.at[slot])
 
   return load
 
 
+def load_ids(ids: tuple, batch, start, rows: int, index, barrier):
+  """Copies segment ids [start, start + rows) of a batch element (ids: (GMEM
+  [B, L'], shared memory [n, rows])) into shared-memory row `index`; the
+  copy completes `barrier`. A 1-D copy is bounded by the whole array, not
+  by its row: the host pads the ids to whole tiles (`segment_inputs`)."""
+  ids_gmem, ids_smem = ids
+  plgpu.copy_gmem_to_smem(ids_gmem.at[batch, pl.ds(start, rows)],
+                          ids_smem.at[index], barrier)
+
+
 def query_loader(q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem,
                  do_smem, delta_smem, q_ready, do_ready, *, batch,
-                 block_q: int) -> Callable:
+                 block_q: int, ids: tuple | None = None) -> Callable:
   """load(head, q_start, index): the backward's query-side tiles.
 
   Q with its lse complete `q_ready[index]`, dO with its delta
-  `do_ready[index]` (two copies each: barriers of two arrivals).
+  `do_ready[index]` (two copies each: barriers of two arrivals). With
+  segments (ids: as `key_value_loader`'s, for the queries) the rows' ids
+  come with Q (three arrivals).
   """
 
   def load(head, q_start, index):
@@ -145,6 +165,8 @@ def query_loader(q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem,
                             q_ready.at[index])
     plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[index],
                             q_ready.at[index])
+    if ids is not None:
+      load_ids(ids, batch, q_start, block_q, index, q_ready.at[index])
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[index],
                             do_ready.at[index])
     plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[index],
@@ -195,10 +217,11 @@ def _span(runs):
 
 
 def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
-                q_seq: int, kv_seq: int, block_rows: int,
-                block_kv: int) -> QueryBlock:
+                q_seq: int, kv_seq: int, block_rows: int, block_kv: int,
+                ranges_ref=None) -> QueryBlock:
   """This block's position, lengths and key tiles (grid axes "q_tiles",
-  "heads", "batch"; thread axis "wg")."""
+  "heads", "batch"; thread axis "wg"). ranges_ref: with segments, the
+  host's per-block key tile ranges (`SegmentInputs.block_ranges`)."""
   batch = lax.axis_index("batch")
   head = lax.axis_index("heads")
   warpgroup = lax.axis_index("wg")
@@ -207,7 +230,7 @@ def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
                           kv_seq)
   offset = masks.causal_offset(mask, q_len, kv_len)
   union = masks.key_blocks(mask, start, block_rows, block_kv, q_len, kv_len,
-                           offset).runs()
+                           offset, segment_range(ranges_ref, batch)).runs()
   steps_lo, steps_hi = _span(union)
   return QueryBlock(batch=batch, head=head, warpgroup=warpgroup,
                     start=start, q_len=q_len, kv_len=kv_len, offset=offset,
@@ -226,20 +249,24 @@ def kv_head_of(head, group: int):
 
 
 def key_tiles(mask: MaskSpec, block: QueryBlock, q_start, block_q: int,
-              block_kv: int):
+              block_kv: int, ranges_ref=None):
   """The `masks` runs [(lo, hi, needs_mask)] of the key tiles of the row
   group of `block_q` rows at `q_start` (forward and dQ; `consumer_runs`
-  clips them to the block's [steps_lo, steps_hi))."""
+  clips them to the block's [steps_lo, steps_hi)). ranges_ref: with
+  segments, the host's per-row-group ranges (`SegmentInputs.group_ranges`).
+  """
   return masks.key_blocks(mask, q_start, block_q, block_kv, block.q_len,
-                          block.kv_len, block.offset).runs()
+                          block.kv_len, block.offset,
+                          segment_range(ranges_ref, block.batch)).runs()
 
 
 def key_tile_visible(mask: MaskSpec, rows, columns, kv_step, block_kv: int,
-                     kv_len, offset):
+                     kv_len, offset, q_ids=None, kv_ids=None):
   """The element-wise mask of key tile `kv_step` (forward and dQ): `rows`
-  absolute query positions, `columns` positions within the tile."""
+  absolute query positions, `columns` positions within the tile; with
+  segments, q_ids and kv_ids: the rows' and the columns' ids, as tiles."""
   return masks.visible(mask, rows, columns + kv_step * block_kv, kv_len,
-                       offset)
+                       offset, q_ids=q_ids, kv_ids=kv_ids)
 
 
 def valid_lse(lse, rows, q_len):
@@ -268,10 +295,11 @@ class KeyBlock(NamedTuple):
 
 
 def key_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *, q_seq: int,
-              kv_seq: int, block_rows: int, block_q: int,
-              group: int) -> KeyBlock:
+              kv_seq: int, block_rows: int, block_q: int, group: int,
+              ranges_ref=None) -> KeyBlock:
   """This block's position, lengths and query tiles (grid axes
-  "kv_tiles", "heads" (kv heads), "batch"; thread axis "wg")."""
+  "kv_tiles", "heads" (kv heads), "batch"; thread axis "wg"). ranges_ref:
+  with segments, the host's per-block query tile ranges."""
   batch = lax.axis_index("batch")
   kv_head = lax.axis_index("heads")
   warpgroup = lax.axis_index("wg")
@@ -281,7 +309,7 @@ def key_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *, q_seq: int,
                           kv_seq)
   offset = masks.causal_offset(mask, q_len, kv_len)
   union = masks.query_blocks(mask, start, block_rows, block_q, q_len, kv_len,
-                             offset).runs()
+                             offset, segment_range(ranges_ref, batch)).runs()
   tiles_lo, tiles_hi = _span(union)
   # Steps: (head of the group, query tile in [tiles_lo, tiles_hi)).
   tiles_per_head = tiles_hi - tiles_lo
@@ -293,21 +321,23 @@ def key_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *, q_seq: int,
 
 
 def query_tiles(mask: MaskSpec, block: KeyBlock, k_start, block_kv: int,
-                block_q: int):
+                block_q: int, ranges_ref=None):
   """The `masks` runs [(lo, hi, needs_mask)] of the query tiles of the row
   group of `block_kv` keys at `k_start` (dK/dV; `consumer_runs` clips them
-  to the block's [tiles_lo, tiles_hi))."""
+  to the block's [tiles_lo, tiles_hi)). ranges_ref: as `key_tiles`'."""
   return masks.query_blocks(mask, k_start, block_kv, block_q, block.q_len,
-                            block.kv_len, block.offset).runs()
+                            block.kv_len, block.offset,
+                            segment_range(ranges_ref, block.batch)).runs()
 
 
 def query_tile_visible(mask: MaskSpec, query_offsets, q_start, key_ids,
-                       kv_len, offset):
+                       kv_len, offset, q_ids=None, kv_ids=None):
   """The element-wise mask of a transposed tile (dK/dV: rows are keys,
   columns queries): `query_offsets` positions within the query tile at
-  `q_start`, `key_ids` absolute key positions."""
+  `q_start`, `key_ids` absolute key positions; with segments, q_ids and
+  kv_ids: the columns' and the rows' segment ids, as tiles."""
   return masks.visible(mask, query_offsets + q_start, key_ids, kv_len,
-                       offset)
+                       offset, q_ids=q_ids, kv_ids=kv_ids)
 
 
 def group_slot(head_step, q_tile_index, block: KeyBlock, stages: int):
@@ -324,6 +354,109 @@ def group_step_rows(step, block: KeyBlock, group: int, block_q: int):
   per_head = jnp.maximum(block.tiles_per_head, 1)
   return (block.kv_head * group + lax.div(step, per_head),
           (block.tiles_lo + lax.rem(step, per_head)) * block_q)
+
+
+# Segments (packed sequences), as the Triton kernels take them (masks.py):
+# the host computes, per tile of the axis a kernel's blocks own, the tiles of
+# the other axis its segment ids can meet, at two granularities: the block
+# (the producer's range) and the row group (a consumer's); every visited
+# tile is masked element-wise by comparing ids. The ids travel by 1-D TMA
+# into shared memory: a block's own rows' ids once, the streamed tiles' ids
+# in the ring with their tile.
+
+
+class SegmentIds(NamedTuple):
+  """A call's segment ids and (filled) lengths, as the backend passes
+  them to the kernels' host functions: int32 [B, T], [B, S], [B], [B]."""
+
+  q_ids: Any
+  kv_ids: Any
+  q_lengths: Any
+  kv_lengths: Any
+
+
+class SegmentInputs(NamedTuple):
+  """A kernel's segment operands (GMEM refs in the kernel).
+
+  Attributes:
+    own_ids: int32 [B, L'], the ids of the axis the blocks own (queries in
+      the forward and dQ kernels, keys in dK/dV), padded to whole blocks.
+    streamed_ids: int32 [B, L'], the other axis's, padded to whole tiles.
+    block_ranges: int32 [B, 2, blocks]: per block, (first, stop) of the
+      other axis's tiles its segments can meet.
+    group_ranges: int32 [B, 2, row groups]: the same per row group.
+  """
+
+  own_ids: Any
+  streamed_ids: Any
+  block_ranges: Any
+  group_ranges: Any
+
+
+def _pad_ids(ids, multiple: int):
+  """ids [B, L] padded with -1 to a multiple of `multiple` (positions past
+  the lengths are masked whatever their ids)."""
+  extra = -ids.shape[1] % multiple
+  return jnp.pad(ids.astype(jnp.int32), [(0, 0), (0, extra)],
+                 constant_values=-1)
+
+
+def segment_inputs(segments: SegmentIds, *, queries_own: bool,
+                   block_rows: int, group_rows: int,
+                   streamed_rows: int) -> SegmentInputs:
+  """Host side: a kernel's `SegmentInputs`.
+
+  Args:
+    segments: the call's ids and lengths.
+    queries_own: whether the kernel's blocks own query rows (forward, dQ)
+      or key rows (dK/dV).
+    block_rows: rows of the own axis per block.
+    group_rows: rows per row group (per compute warpgroup).
+    streamed_rows: rows of the other axis per streamed tile.
+  """
+  own = (segments.q_ids, segments.q_lengths)
+  other = (segments.kv_ids, segments.kv_lengths)
+  if not queries_own:
+    own, other = other, own
+
+  def ranges(rows):
+    first, stop = masks.segment_tile_ranges(*own, rows, *other,
+                                            streamed_rows)
+    return jnp.stack([first, stop], axis=1)
+
+  return SegmentInputs(
+      own_ids=_pad_ids(own[0], block_rows),
+      streamed_ids=_pad_ids(other[0], streamed_rows),
+      block_ranges=ranges(block_rows), group_ranges=ranges(group_rows))
+
+
+def split_optional(refs, has_sinks: bool, has_segments: bool):
+  """(sinks ref or None, `SegmentInputs` of refs or None) from a kernel's
+  optional input refs, passed in that order."""
+  refs = list(refs)
+  sinks = refs.pop(0) if has_sinks else None
+  segments = SegmentInputs(*refs) if has_segments else None
+  return sinks, segments
+
+
+def segment_range(ranges_ref, batch) -> masks.SegmentRange | None:
+  """The `masks.SegmentRange` of a batch element's (first, stop) table
+  ([B, 2, tiles]), or None without segments."""
+  if ranges_ref is None:
+    return None
+  return lambda tile: (ranges_ref[batch, 0, tile], ranges_ref[batch, 1, tile])
+
+
+def ids_vector(ids_smem, dim: int):
+  """A tile's segment ids from shared memory ([n] int32), in the layout
+  that broadcasts along WGMMA tile axis `dim` (0: the rows', 1: the
+  columns')."""
+  return plgpu.load(ids_smem, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
+
+
+def ids_tile(ids, tile_shape, dim: int):
+  """`ids_vector`'s ids as a whole tile (dim: the tile axis they index)."""
+  return lax.broadcast_in_dim(ids, tile_shape, [dim])
 
 
 def launch(kernel, scratch, *, out_type, grid, grid_names, num_threads: int,
