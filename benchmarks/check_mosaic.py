@@ -1,6 +1,9 @@
 """Compiled Mosaic GPU kernels against the XLA path, on a Hopper GPU.
 
-Usage (repo root, H100/H200): PYTHONPATH=. python3 benchmarks/check_mosaic.py
+Usage (repo root, H100/H200):
+  PYTHONPATH=. python3 benchmarks/check_mosaic.py [WORD ...]
+(with words: only the cases whose description contains one of them, e.g.
+`segments`).
 Per case: ||x - ref|| / ||ref|| of the output, lse, dq, dk and dv of the
 default choice (implementation=None), the reference being jflash's XLA path on
 float32-upcast inputs at HIGHEST precision (itself tested against
@@ -49,7 +52,32 @@ CASES = [
     (2, 200, 200, 4, 2, 64, "bfloat16", dict(
         is_causal=True, sinks=(0.5, -1.0, 3.0, 0.0),
         query_seq_lengths=(200, 50), key_value_seq_lengths=(0, 120))),
+    # segments=(q run length, kv run length): ids position // run length
+    # (packed sequences when equal), or "random": ids in [0, 3).
+    (2, 1000, 1000, 4, 2, 128, "bfloat16", dict(segments=(96, 96),
+                                                is_causal=True)),
+    (1, 4096, 4096, 4, 4, 128, "bfloat16", dict(segments=(512, 512))),
+    (2, 300, 460, 4, 1, 64, "bfloat16", dict(
+        segments="random", query_seq_lengths=(300, 120),
+        key_value_seq_lengths=(460, 77))),
+    (1, 512, 512, 2, 2, 256, "bfloat16", dict(segments=(100, 100),
+                                              is_causal=True)),
+    (1, 640, 520, 4, 2, 128, "float16", dict(
+        segments=(200, 130), is_causal=True,
+        causal_alignment="bottom_right", local_window_size=(150, 0))),
 ]
+
+
+def segment_ids(kind, batch, q_len, kv_len, key):
+  """(q_segment_ids, kv_segment_ids) int32 [B, T], [B, S] (see CASES)."""
+  if kind == "random":
+    q_key, kv_key = jax.random.split(key)
+    return (jax.random.randint(q_key, (batch, q_len), 0, 3),
+            jax.random.randint(kv_key, (batch, kv_len), 0, 3))
+  q_run, kv_run = kind
+  ids = lambda n, run: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) // run,
+                                        (batch, n))
+  return ids(q_len, q_run), ids(kv_len, kv_run)
 
 
 def check(case, implementation):
@@ -64,6 +92,9 @@ def check(case, implementation):
       options[name] = jnp.array(options[name], jnp.int32)
   if "sinks" in options:
     options["sinks"] = jnp.array(options["sinks"], jnp.float32)
+  if "segments" in options:
+    options["q_segment_ids"], options["kv_segment_ids"] = segment_ids(
+        options.pop("segments"), b, t, s, keys[3])
 
   def run(impl, *args):
     return jflash.flash_attention(*args, implementation=impl,
@@ -104,8 +135,11 @@ def check(case, implementation):
 def main():
   print(jax.devices()[0].device_kind, jax.__version__)
   failed = passed = 0
+  words = sys.argv[1:]
   for case in CASES:
     label = " ".join(map(str, case[:7])) + " " + str(case[7])
+    if words and not any(word in label for word in words):
+      continue
     try:
       errors, compile_s = check(case, IMPLEMENTATION)
     except Exception as e:  # pylint: disable=broad-except

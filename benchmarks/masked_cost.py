@@ -9,7 +9,8 @@ cuDNN is timed in the same run where it has the option (windows).
 
 Usage, from the repository root on the GPU machine:
 
-  PYTHONPATH=. python3 benchmarks/masked_cost.py [--shape 1,8192,16,128]
+  PYTHONPATH=. python3 benchmarks/masked_cost.py [--shape 1,8192,16,128] \
+      [--implementation mosaic]
 """
 
 import argparse
@@ -46,6 +47,9 @@ def main(argv):
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   parser.add_argument("--shape", type=bench.parse_shape,
                       default=bench.parse_shape("1,8192,16,128"))
+  parser.add_argument("--implementation", default=None,
+                      help="flash_attention's implementation (default: "
+                           "the registry's choice)")
   args = parser.parse_args(argv[1:])
   shape = args.shape
   n = shape.seq_len
@@ -57,7 +61,8 @@ def main(argv):
       is_causal=True, device_kind=jax.devices()[0].device_kind)
   has_segments = "q_segment_ids" in inspect.signature(
       jflash.flash_attention).parameters
-  print(jax.devices()[0].device_kind, "shape", shape, "tiles",
+  print(jax.devices()[0].device_kind, "shape", shape, "implementation",
+        args.implementation, "tiles (Triton's, for the counts)",
         f"{sizes.block_q}x{sizes.block_k}", flush=True)
 
   cases = [("causal", {}, lambda r, c: c <= r)]
@@ -81,7 +86,8 @@ def main(argv):
     for pass_ in bench.PASSES:
       step = bench.make_step(
           lambda q, k, v, o=options: jflash.flash_attention(
-              q, k, v, is_causal=True, **o), pass_)
+              q, k, v, is_causal=True, implementation=args.implementation,
+              **o), pass_)
       _, ms = bench.time_step(step, inputs, 2, 5, 10)
       ms *= 1e3
       cudnn = "-"
