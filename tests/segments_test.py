@@ -120,20 +120,23 @@ class SegmentsTest(test_base.BackendTestCase):
   def test_tiles_of_other_segments_are_never_read(self, is_causal):
     self.require_kernels("tile skipping; the XLA path reads every element "
                          "by design")
-    # Keys 64.. belong to a segment no query has, and queries 32.. to a
+    # Keys 2t.. belong to a segment no query has, and queries t.. to a
     # segment with no key: poison them (and those rows' output cotangents)
-    # with NaN. Tile edges (32, 64) are multiples of every SMALL_BLOCKS
-    # tile, so whole tiles are skipped in the forward, dK/dV and dQ kernels;
-    # any read of them would turn the results NaN.
+    # with NaN. The edges (t, 2t) are multiples of every tile of the
+    # target's kernels (t = tile_rows), so whole tiles are skipped in the
+    # forward, dK/dV and dQ kernels; any read of them would turn the
+    # results NaN.
+    t = self.TARGET.tile_rows
     q, k, v, dout = test_util.random_inputs(
-        84, batch=1, q_len=64, kv_len=128, num_heads=4, num_kv_heads=2)
+        84, batch=1, q_len=2 * t, kv_len=4 * t, num_heads=4, num_kv_heads=2)
     kwargs = dict(is_causal=is_causal,
-                  q_segment_ids=_batch(_ids((1, 32), (3, 32))),
-                  kv_segment_ids=_batch(_ids((1, 64), (2, 64))))
+                  q_segment_ids=_batch(_ids((1, t), (3, t))),
+                  kv_segment_ids=_batch(_ids((1, 2 * t), (2, 2 * t))))
     step = self._step(**kwargs)
     clean = step(q, k, v, dout)
-    poisoned = step(q.at[:, 32:].set(jnp.nan), k.at[:, 64:].set(jnp.nan),
-                    v.at[:, 64:].set(jnp.nan), dout.at[:, 32:].set(jnp.nan))
+    poisoned = step(q.at[:, t:].set(jnp.nan), k.at[:, 2 * t:].set(jnp.nan),
+                    v.at[:, 2 * t:].set(jnp.nan),
+                    dout.at[:, t:].set(jnp.nan))
     chex.assert_tree_all_finite(poisoned)
     chex.assert_trees_all_equal(poisoned, clean)
 

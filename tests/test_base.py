@@ -38,12 +38,17 @@ class Target:
       tolerance tables follow the inputs' dtype), so their cases run on it.
     head_dims: for a backend of a few exact head dims, the ones it takes:
       the tests' random inputs get the smallest one >= theirs.
+    tile_rows: a multiple of every tile (and block of tiles) of the
+      target's kernels along either sequence axis: tests that need mask
+      edges on whole tiles (so that a skipped tile is never read) put them
+      on multiples of it.
   """
 
   implementation: str
   options: tuple[tuple[str, Any], ...] = ()
   input_dtype: str | None = None
   head_dims: tuple[int, ...] | None = None
+  tile_rows: int = 32
 
 
 # Small tiles for the kernels, so short test sequences cross several tiles
@@ -57,8 +62,10 @@ TARGETS = (
 # GPU other than Hopper each test skips with the registry's reason), and on
 # CPU tests/mosaic_lowering_test.py lowers them for CUDA.
 if test_util.ON_GPU:
+  # Its blocks span 128 rows (two warpgroups of 64) and its key tiles up
+  # to 128.
   TARGETS += (Target("mosaic", input_dtype="bfloat16",
-                     head_dims=(64, 128, 256)),)
+                     head_dims=(64, 128, 256), tile_rows=128),)
 
 
 class BackendTestCase(parameterized.TestCase):
