@@ -11,6 +11,7 @@ jax.nn.dot_product_attention), and the compile time. Fresh random inputs;
 a NaN anywhere fails. Ends with PASS/FAIL counts; exit status 1 on a FAIL.
 """
 
+import dataclasses
 import sys
 import time
 import traceback
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 
 import jflash
 from jflash._src import api
+from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src import registry
 
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3}
@@ -65,6 +67,18 @@ CASES = [
     (1, 640, 520, 4, 2, 128, "float16", dict(
         segments=(200, 130), is_causal=True,
         causal_alignment="bottom_right", local_window_size=(150, 0))),
+    # The opt-in atomic dQ backward (MosaicBlockSizes.atomic_dq).
+    (2, 384, 384, 4, 2, 128, "bfloat16", dict(atomic_dq=True,
+                                              is_causal=True)),
+    (1, 257, 129, 2, 2, 128, "bfloat16", dict(atomic_dq=True)),
+    (2, 256, 256, 4, 4, 64, "float16", dict(atomic_dq=True)),
+    (2, 300, 460, 4, 1, 64, "bfloat16", dict(
+        atomic_dq=True, segments="random", query_seq_lengths=(300, 120),
+        key_value_seq_lengths=(460, 77))),
+    (3, 320, 448, 4, 2, 128, "bfloat16", dict(
+        atomic_dq=True, query_seq_lengths=(320, 100, 0),
+        key_value_seq_lengths=(448, 17, 5), is_causal=True,
+        local_window_size=(64, 0), logits_soft_cap=20.0)),
 ]
 
 
@@ -92,6 +106,10 @@ def check(case, implementation):
       options[name] = jnp.array(options[name], jnp.int32)
   if "sinks" in options:
     options["sinks"] = jnp.array(options["sinks"], jnp.float32)
+  if options.pop("atomic_dq", False):
+    # The opt-in one-kernel backward, default tiles otherwise.
+    options["block_sizes"] = dataclasses.replace(
+        mosaic_config.default_block_sizes(d), atomic_dq=True)
   if "segments" in options:
     options["q_segment_ids"], options["kv_segment_ids"] = segment_ids(
         options.pop("segments"), b, t, s, keys[3])

@@ -82,7 +82,10 @@ import jax
 import jax.numpy as jnp
 import tqdm
 
-IMPLS = ("triton", "mosaic", "jflash", "cudnn", "xla", "mha")
+# mosaic_atomic: the Mosaic kernels with the opt-in atomic dQ backward
+# (MosaicBlockSizes.atomic_dq), default tiles otherwise.
+IMPLS = ("triton", "mosaic", "mosaic_atomic", "jflash", "cudnn", "xla",
+         "mha")
 PASSES = ("fwd", "fwd+bwd")
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -234,7 +237,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def attention_fn(impl: str, is_causal: bool) -> Callable[..., jax.Array]:
   """Returns `f(q, k, v) -> out` for one implementation."""
-  if impl in ("triton", "mosaic", "jflash"):
+  if impl in ("triton", "mosaic", "mosaic_atomic", "jflash"):
     # Imported only when asked for, so the script runs (e.g. `--impls xla`)
     # while jflash itself is broken or absent.
     import jflash  # pylint: disable=g-import-not-at-top
@@ -244,12 +247,19 @@ def attention_fn(impl: str, is_causal: bool) -> Callable[..., jax.Array]:
     if impl == "triton" and jax.default_backend() != "gpu":
       options["interpret"] = True
     # "jflash": the default choice (implementation=None), per pass.
-    implementation = None if impl == "jflash" else impl
+    implementation = {"jflash": None, "mosaic_atomic": "mosaic"}.get(impl,
+                                                                     impl)
 
     def f(q, k, v):
+      more = dict(options)
+      if impl == "mosaic_atomic":
+        # pylint: disable-next=g-import-not-at-top
+        from jflash._src.backends.mosaic import config as mosaic_config
+        more["block_sizes"] = dataclasses.replace(
+            mosaic_config.default_block_sizes(q.shape[-1]), atomic_dq=True)
       return jflash.flash_attention(
           q, k, v, is_causal=is_causal, implementation=implementation,
-          **options)
+          **more)
     return f
 
   if impl == "mha":

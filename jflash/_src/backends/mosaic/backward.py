@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -270,13 +271,15 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 
 
 def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               q_lengths_ref, kv_lengths_ref, segments, dk_ref, dv_ref,
-               scratch, *, mask: MaskSpec, scale: float,
+               q_lengths_ref, kv_lengths_ref, segments, dq_sum_ref, dk_ref,
+               dv_ref, scratch, *, mask: MaskSpec, scale: float,
                soft_cap: float | None, block_q: int, block_kv: int,
                stages: int, row_groups: int, chunks: int, group: int,
                q_seq: int, kv_seq: int):
-  (rows_smem, q_smem, do_smem, lse_smem, delta_smem, ids_smem), barriers = (
-      scratch)
+  """The dK/dV kernel; with `dq_sum_ref` (atomic_dq, float32 [B, T', N, H],
+  zeros) it also adds each tile's dQ / scale into it."""
+  (rows_smem, q_smem, do_smem, lse_smem, delta_smem, ids_smem,
+   dq_smem), barriers = scratch
   (k_smem, v_smem), stage = _unpack_rows(rows_smem, chunks)
   kv_ready, q_ready, do_ready, consumed, done = barriers
   head_dim = q_ref.shape[3]
@@ -365,13 +368,38 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
       ds_t = _score_gradient(probs, capped, dp_t,
                              lax.broadcast_in_dim(delta, tile_shape, [1]))
 
+      ds_t = ds_t.astype(dtype)
+
       def keys(acc_ref):
-        plgpu.wgmma(acc_ref, ds_t.astype(dtype),
-                    _columns(q_tile, chunk, width, chunks))
+        plgpu.wgmma(acc_ref, ds_t, _columns(q_tile, chunk, width, chunks))
 
       dk = pl.run_state(keys)(plgpu.ACC.init(dk))
+      if dq_sum_ref is not None:
+        add_query_gradient(ds_t, q_tile_index * block_q,
+                           block.kv_head * group + head_step)
       plgpu.barrier_arrive(consumed.at[slot])
       return dk, dv
+
+    def add_query_gradient(ds_t, q_start, head):
+      """dq_sum[q rows, head] += dS K (atomic_dq): dS^T goes through shared
+      memory (the product needs it transposed, as wgmma's left operand),
+      the float32 product through a staging tile and a TMA reduce-add."""
+      ds_tile, stage = dq_smem[0].at[row_group], dq_smem[1].at[row_group]
+      ds_tile[...] = ds_t
+      plgpu.commit_smem()
+
+      def queries(acc_ref):
+        plgpu.wgmma(acc_ref, ds_tile.T, k_tile)
+        return acc_ref[...]
+
+      dq = pl.run_scoped(queries, plgpu.ACC((block_q, head_dim), jnp.float32))
+      # The previous tile's reduce-add must have read the staging tile.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      stage[...] = dq
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          stage, dq_sum_ref.at[batch, pl.ds(q_start, block_q), head],
+          reduction_op="add")
 
     own = pipeline.query_tiles(mask, block, k_start, block_kv, block_q,
                                _ranges(segments, "group_ranges"))
@@ -494,23 +522,28 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
     return (plgpu.SMEM((row_groups, own_rows), jnp.int32),
             plgpu.SMEM((stages, ring_rows), jnp.int32))
 
-  def with_segments(kernel, queries_own: bool, own_rows: int,
-                    ring_rows: int):
-    """(kernel taking its segment refs, its extra operands)."""
-    if not has_segments:
-      return (lambda *refs: kernel(*refs[:len(args)], None,
-                                   *refs[len(args):])), ()
-    segments = pipeline.segment_inputs(
-        segment_ids, queries_own=queries_own,
-        block_rows=row_groups * own_rows, group_rows=own_rows,
-        streamed_rows=ring_rows)
+  def with_optional_inputs(kernel, queries_own: bool, own_rows: int,
+                           ring_rows: int, *, takes_dq_sum: bool = False,
+                           dq_sum=None):
+    """(body calling `kernel` on `args`' refs, its segment refs (or None),
+    if takes_dq_sum the ref of `dq_sum` (or None), then the outputs and
+    scratch; the operands)."""
+    segments = ()
+    if has_segments:
+      segments = tuple(pipeline.segment_inputs(
+          segment_ids, queries_own=queries_own,
+          block_rows=row_groups * own_rows, group_rows=own_rows,
+          streamed_rows=ring_rows))
+    extra = () if dq_sum is None else (dq_sum,)
 
-    def with_refs(*refs):
-      n = len(args)
-      kernel(*refs[:n], pipeline.SegmentInputs(*refs[n:n + len(segments)]),
-             *refs[n + len(segments):])
+    def body(*refs):
+      n, m = len(args), len(segments)
+      segment_refs = pipeline.SegmentInputs(*refs[n:n + m]) if m else None
+      rest = refs[n + m + len(extra):]
+      sum_ref = ([refs[n + m]] if extra else [None]) if takes_dq_sum else []
+      kernel(*refs[:n], segment_refs, *sum_ref, *rest)
 
-    return with_refs, tuple(segments)
+    return body, args + segments + extra
 
   block_q, block_kv = block_sizes.block_q_dq, block_sizes.block_kv_dq
   dq_scratch = (
@@ -527,22 +560,30 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)),  # Done.
   )
-  kernel, segment_args = with_segments(
-      functools.partial(dq_kernel, block_q=block_q, block_kv=block_kv,
-                        **common), True, block_q, block_kv)
-  dq = pipeline.launch(
-      kernel, dq_scratch,
-      out_type=sharding.output_struct(query.shape, dtype, *args),
-      grid=(pl.cdiv(q_seq, row_groups * block_q), num_heads, batch),
-      grid_names=("q_tiles", "heads", "batch"),
-      num_threads=COMPUTE_WARPGROUPS + 1, args=args + segment_args)
+  atomic_dq = block_sizes.atomic_dq
+  if not atomic_dq:
+    kernel, operands = with_optional_inputs(
+        functools.partial(dq_kernel, block_q=block_q, block_kv=block_kv,
+                          **common), True, block_q, block_kv)
+    dq = pipeline.launch(
+        kernel, dq_scratch,
+        out_type=sharding.output_struct(query.shape, dtype, *args),
+        grid=(pl.cdiv(q_seq, row_groups * block_q), num_heads, batch),
+        grid_names=("q_tiles", "heads", "batch"),
+        num_threads=COMPUTE_WARPGROUPS + 1, args=operands)
 
   block_q, block_kv = block_sizes.block_q_dkv, block_sizes.block_kv_dkv
   dkv_scratch = (
       (_rows_scratch(tiles, dtype, block_kv, head_dim, row_groups, chunks),
        tiles(stages, block_q), tiles(stages, block_q),
        stats(stages, block_q), stats(stages, block_q),
-       ids_scratch(block_kv, block_q)),
+       ids_scratch(block_kv, block_q),
+       # atomic_dq: per row group, dS^T and the float32 dQ staging tile.
+       ((plgpu.SMEM((row_groups, block_kv, block_q), dtype,
+                    transforms=transforms),
+         plgpu.SMEM((row_groups, block_q, head_dim), jnp.float32,
+                    transforms=smem_transforms(jnp.float32)))
+        if atomic_dq else ())),
       (plgpu.Barrier(num_arrivals=2 + with_ids,
                      num_barriers=row_groups),  # K, V (ids).
        plgpu.Barrier(num_arrivals=2 + with_ids,
@@ -552,13 +593,20 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)),  # Done.
   )
   kv_struct = sharding.output_struct(key.shape, dtype, *args)
-  kernel, segment_args = with_segments(
+  dq_sum = None
+  if atomic_dq:
+    # The reduce-adds need a zeroed buffer that the kernel writes in place.
+    dq_sum = jax.new_ref(jnp.zeros(query.shape, jnp.float32))
+  kernel, operands = with_optional_inputs(
       functools.partial(dkv_kernel, block_q=block_q, block_kv=block_kv,
-                        **common), False, block_kv, block_q)
+                        **common), False, block_kv, block_q,
+      takes_dq_sum=True, dq_sum=dq_sum)
   dk, dv = pipeline.launch(
       kernel, dkv_scratch,
       out_type=(kv_struct, kv_struct),
       grid=(pl.cdiv(kv_seq, row_groups * block_kv), num_kv_heads, batch),
       grid_names=("kv_tiles", "heads", "batch"),
-      num_threads=COMPUTE_WARPGROUPS + 1, args=args + segment_args)
+      num_threads=COMPUTE_WARPGROUPS + 1, args=operands)
+  if atomic_dq:
+    dq = (dq_sum[...] * spec.scale).astype(dtype)
   return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]

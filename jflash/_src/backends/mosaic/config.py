@@ -27,6 +27,12 @@ class MosaicBlockSizes:
     block_q_dkv: dK/dV kernel: query rows per pipeline stage.
     block_kv_dkv: dK/dV kernel: key/value rows per row group.
     backward_stages: tiles in flight in both backward rings, >= 2.
+    atomic_dq: opt-in, head dims <= 128: one backward kernel instead of two.
+      The dK/dV kernel also computes dQ (dS Q-tile by K) and adds it into a
+      float32 buffer with TMA reduce-adds, so the dQ kernel's recomputation
+      of S and dP is saved (5 matrix products instead of 7). The order of
+      those additions varies between runs: dQ is NOT bitwise
+      deterministic with it (the default is).
   """
 
   block_q: int = 64
@@ -37,6 +43,7 @@ class MosaicBlockSizes:
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
   backward_stages: int = 3
+  atomic_dq: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq",
@@ -49,6 +56,8 @@ class MosaicBlockSizes:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 2:
         raise ValueError(f"{name}={value!r} must be an int >= 2.")
+    if not isinstance(self.atomic_dq, bool):
+      raise ValueError(f"atomic_dq={self.atomic_dq!r} must be a bool.")
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the forward kernel: Q/O of both compute warpgroups,
@@ -68,10 +77,19 @@ class MosaicBlockSizes:
     # dK/dV: K and V per row group, the Q/dO/lse/delta ring.
     dkv = (row_groups * 2 * tile(self.block_kv_dkv)
            + stages * (2 * tile(self.block_q_dkv) + 2 * 4 * self.block_q_dkv))
+    if self.atomic_dq:
+      # Per row group: dS^T (16-bit) and the float32 dQ staging.
+      dkv += row_groups * (self.block_kv_dkv * self.block_q_dkv * itemsize
+                           + self.block_q_dkv * head_dim * 4)
     return max(dq, dkv)
 
   def check_fits(self, head_dim: int, itemsize: int) -> None:
-    """Raises ValueError if a kernel's shared memory exceeds Hopper's."""
+    """Raises ValueError if a kernel's shared memory exceeds Hopper's, or
+    NotImplementedError for atomic_dq at a head dim over 128."""
+    if self.atomic_dq and head_dim > BWD_MAX_ACC_COLUMNS:
+      raise NotImplementedError(
+          f"block_sizes.atomic_dq=True supports head dims <= "
+          f"{BWD_MAX_ACC_COLUMNS}; got head_dim={head_dim}.")
     for pass_, needed in (
         ("forward", self.smem_bytes(head_dim, itemsize)),
         ("backward", self.backward_smem_bytes(head_dim, itemsize))):
