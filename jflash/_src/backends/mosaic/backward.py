@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -523,27 +522,24 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
             plgpu.SMEM((stages, ring_rows), jnp.int32))
 
   def with_optional_inputs(kernel, queries_own: bool, own_rows: int,
-                           ring_rows: int, *, takes_dq_sum: bool = False,
-                           dq_sum=None):
+                           ring_rows: int, *, no_dq_sum: bool = False):
     """(body calling `kernel` on `args`' refs, its segment refs (or None),
-    if takes_dq_sum the ref of `dq_sum` (or None), then the outputs and
-    scratch; the operands)."""
+    None for its dQ sum if no_dq_sum, then the remaining refs; the operands
+    `args` and the segment arrays)."""
     segments = ()
     if has_segments:
       segments = tuple(pipeline.segment_inputs(
           segment_ids, queries_own=queries_own,
           block_rows=row_groups * own_rows, group_rows=own_rows,
           streamed_rows=ring_rows))
-    extra = () if dq_sum is None else (dq_sum,)
 
     def body(*refs):
       n, m = len(args), len(segments)
       segment_refs = pipeline.SegmentInputs(*refs[n:n + m]) if m else None
-      rest = refs[n + m + len(extra):]
-      sum_ref = ([refs[n + m]] if extra else [None]) if takes_dq_sum else []
-      kernel(*refs[:n], segment_refs, *sum_ref, *rest)
+      kernel(*refs[:n], segment_refs, *([None] if no_dq_sum else []),
+             *refs[n + m:])
 
-    return body, args + segments + extra
+    return body, args + segments
 
   block_q, block_kv = block_sizes.block_q_dq, block_sizes.block_kv_dq
   dq_scratch = (
@@ -593,20 +589,27 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)),  # Done.
   )
   kv_struct = sharding.output_struct(key.shape, dtype, *args)
-  dq_sum = None
-  if atomic_dq:
-    # The reduce-adds need a zeroed buffer that the kernel writes in place.
-    dq_sum = jax.new_ref(jnp.zeros(query.shape, jnp.float32))
   kernel, operands = with_optional_inputs(
       functools.partial(dkv_kernel, block_q=block_q, block_kv=block_kv,
                         **common), False, block_kv, block_q,
-      takes_dq_sum=True, dq_sum=dq_sum)
-  dk, dv = pipeline.launch(
-      kernel, dkv_scratch,
-      out_type=(kv_struct, kv_struct),
+      no_dq_sum=not atomic_dq)
+  launch_dkv = functools.partial(
+      pipeline.launch, kernel, dkv_scratch,
       grid=(pl.cdiv(kv_seq, row_groups * block_kv), num_kv_heads, batch),
       grid_names=("kv_tiles", "heads", "batch"),
-      num_threads=COMPUTE_WARPGROUPS + 1, args=operands)
-  if atomic_dq:
-    dq = (dq_sum[...] * spec.scale).astype(dtype)
+      num_threads=COMPUTE_WARPGROUPS + 1)
+  if not atomic_dq:
+    dk, dv = launch_dkv(out_type=(kv_struct, kv_struct), args=operands)
+    return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]
+
+  # The reduce-adds need a zeroed buffer that the kernel writes in place: a
+  # state ref of `run_state` (discharged here, into a buffer aliased by the
+  # kernel call), with dK and dV as refs beside it.
+  def run(refs):
+    launch_dkv(out_type=(), args=operands + tuple(refs))
+
+  dq_sum, dk, dv = pl.run_state(run)((
+      jnp.zeros(query.shape, jnp.float32), jnp.zeros(key.shape, dtype),
+      jnp.zeros(key.shape, dtype)))
+  dq = (dq_sum * spec.scale).astype(dtype)
   return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]
