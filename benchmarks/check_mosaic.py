@@ -106,18 +106,21 @@ def check(case, implementation):
       options[name] = jnp.array(options[name], jnp.int32)
   if "sinks" in options:
     options["sinks"] = jnp.array(options["sinks"], jnp.float32)
+  kernel_only = {}  # Options of the kernels, not of the XLA reference.
   if options.pop("atomic_dq", False):
     # The opt-in one-kernel backward, default tiles otherwise.
-    options["block_sizes"] = dataclasses.replace(
+    kernel_only["block_sizes"] = dataclasses.replace(
         mosaic_config.default_block_sizes(d), atomic_dq=True)
   if "segments" in options:
     options["q_segment_ids"], options["kv_segment_ids"] = segment_ids(
         options.pop("segments"), b, t, s, keys[3])
 
   def run(impl, *args):
+    kernel_options = {} if impl == "xla" else kernel_only
     return jflash.flash_attention(*args, implementation=impl,
                                   return_residual=True,
-                                  residual_dtype=jnp.float32, **options)
+                                  residual_dtype=jnp.float32, **options,
+                                  **kernel_options)
 
   dout = jax.random.normal(keys[3], q.shape, dtype)
 

@@ -65,6 +65,9 @@ from jflash._src.spec import MaskSpec
 
 COMPUTE_WARPGROUPS = BWD_COMPUTE_WARPGROUPS
 PRODUCER = COMPUTE_WARPGROUPS
+# atomic_dq: dQ columns per product and reduce-add (a [64, 128] float32
+# accumulator beside dK's and dV's spills registers at head dim 128).
+DQ_SUM_COLUMNS = 64
 
 
 def _columns(ref, chunk: int, width: int, chunks: int):
@@ -382,23 +385,31 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     def add_query_gradient(ds_t, q_start, head):
       """dq_sum[q rows, head] += dS K (atomic_dq): dS^T goes through shared
       memory (the product needs it transposed, as wgmma's left operand),
-      the float32 product through a staging tile and a TMA reduce-add."""
-      ds_tile, stage = dq_smem[0].at[row_group], dq_smem[1].at[row_group]
+      the float32 product through staging tiles and TMA reduce-adds, in
+      column chunks of DQ_SUM_COLUMNS (registers: dK and dV are live)."""
+      ds_tile = dq_smem[0].at[row_group]
       ds_tile[...] = ds_t
       plgpu.commit_smem()
+      num_chunks = head_dim // DQ_SUM_COLUMNS
+      for c in range(num_chunks):
+        columns = pl.ds(c * DQ_SUM_COLUMNS, DQ_SUM_COLUMNS)
 
-      def queries(acc_ref):
-        plgpu.wgmma(acc_ref, ds_tile.T, k_tile)
-        return acc_ref[...]
+        def queries(acc_ref):
+          plgpu.wgmma(acc_ref, ds_tile.T, k_tile.at[:, columns])
+          return acc_ref[...]
 
-      dq = pl.run_scoped(queries, plgpu.ACC((block_q, head_dim), jnp.float32))
-      # The previous tile's reduce-add must have read the staging tile.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      stage[...] = dq
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          stage, dq_sum_ref.at[batch, pl.ds(q_start, block_q), head],
-          reduction_op="add")
+        dq = pl.run_scoped(queries, plgpu.ACC((block_q, DQ_SUM_COLUMNS),
+                                              jnp.float32))
+        # This chunk's previous reduce-add (num_chunks copies ago) must
+        # have read its staging tile.
+        plgpu.wait_smem_to_gmem(num_chunks - 1, wait_read_only=True)
+        stage = dq_smem[1].at[row_group, c]
+        stage[...] = dq
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            stage, dq_sum_ref.at[batch, pl.ds(q_start, block_q), head,
+                                 columns],
+            reduction_op="add")
 
     own = pipeline.query_tiles(mask, block, k_start, block_kv, block_q,
                                _ranges(segments, "group_ranges"))
@@ -577,7 +588,8 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
        # atomic_dq: per row group, dS^T and the float32 dQ staging tile.
        ((plgpu.SMEM((row_groups, block_kv, block_q), dtype,
                     transforms=transforms),
-         plgpu.SMEM((row_groups, block_q, head_dim), jnp.float32,
+         plgpu.SMEM((row_groups, head_dim // DQ_SUM_COLUMNS, block_q,
+                     DQ_SUM_COLUMNS), jnp.float32,
                     transforms=smem_transforms(jnp.float32)))
         if atomic_dq else ())),
       (plgpu.Barrier(num_arrivals=2 + with_ids,
