@@ -34,8 +34,9 @@ BACKWARD_TILES = [(64, 64, 64, 64, 3), (64, 64, 64, 64, 2),
                   (64, 128, 128, 64, 2), (64, 64, 64, 128, 2)]
 
 
-def sweep_backward(shapes):
-  """fwd+bwd per backward tiling, as a ratio to cuDNN and the default."""
+def sweep_backward(shapes, tilings=None):
+  """fwd+bwd per backward tiling (default: BACKWARD_TILES, the first one
+  the reference), as a ratio to cuDNN and to the first tiling."""
   # pylint: disable-next=g-import-not-at-top
   import jflash
   for shape in shapes:
@@ -49,7 +50,7 @@ def sweep_backward(shapes):
       print(f"{shape} causal={causal} fwd+bwd cudnn {cudnn_s * 1e3:.3f} ms "
             f"{flop / cudnn_s / 1e12:.0f} TFLOP/s")
       default = None
-      for tiles in BACKWARD_TILES:
+      for tiles in tilings or BACKWARD_TILES:
         name = "dq {}x{} dkv {}x{} s{}".format(*tiles)
         try:
           sizes = MosaicBlockSizes(
@@ -82,10 +83,15 @@ def main():
                       help="block_q,block_kv,stages triples")
   parser.add_argument("--backward", action="store_true",
                       help="sweep the backward tiles (BACKWARD_TILES)")
+  parser.add_argument("--backward-tiles", nargs="+", default=None,
+                      help="with --backward: block_q_dq,block_kv_dq,"
+                           "block_q_dkv,block_kv_dkv,stages tuples (the "
+                           "first is the reference)")
   args = parser.parse_args()
   if args.backward:
     print(jax.devices()[0].device_kind)
-    sweep_backward(args.shapes)
+    sweep_backward(args.shapes, args.backward_tiles and [
+        tuple(int(x) for x in t.split(",")) for t in args.backward_tiles])
     return
   tiles = TILES if args.tiles is None else [
       tuple(int(x) for x in t.split(",")) for t in args.tiles]
