@@ -105,17 +105,20 @@ def default_block_sizes(head_dim: int, itemsize: int = 2
   """The tiles by head dim (H100, 2026-11-23/24, WORKSPACE_NOTES.md).
 
   Forward: 64x128 with 2 stages (the best of the sweep at D=64 and 128),
-  64x64 at D=256 (only it fits). Backward: 64-row tiles everywhere (wider
-  ones were 3-30% slower in the backward sweep at D=128); 2 stages at D=128
-  (1-2% faster than 3 or 4) and D=256 (shared memory allows no more), 3 at
-  D=64 (not swept).
+  64x64 at D=256 (only it fits). Backward: 64-row tiles at D=128 (wider
+  ones were 3-30% slower in the backward sweep there) and D=256, 2 stages
+  (at D=128 1-2% faster than 3 or 4; at D=256 shared memory allows no
+  more). At D=64 128-key dQ tiles and 128-query dK/dV tiles with 2 stages:
+  6-8% faster forward+backward than all-64 tiles with 3 stages
+  (2x4096 and 1x16384, causal and not, H100, 2026-11-24).
   """
   if head_dim > 128:
     sizes = MosaicBlockSizes(block_kv=64, backward_stages=2)
   elif head_dim > 64:
     sizes = MosaicBlockSizes(backward_stages=2)
   else:
-    sizes = MosaicBlockSizes()
+    sizes = MosaicBlockSizes(block_kv_dq=128, block_q_dkv=128,
+                             backward_stages=2)
   sizes.check_fits(head_dim, itemsize)
   return sizes
 
