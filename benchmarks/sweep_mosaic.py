@@ -87,7 +87,12 @@ def main():
                       help="with --backward: block_q_dq,block_kv_dq,"
                            "block_q_dkv,block_kv_dkv,stages tuples (the "
                            "first is the reference)")
+  parser.add_argument("--persistent", choices=("auto", "on", "off"),
+                      default="auto",
+                      help="forward: the persistent kernel where allowed "
+                           "(auto), or forced on/off")
   args = parser.parse_args()
+  persistent = {"auto": None, "on": True, "off": False}[args.persistent]
   if args.backward:
     print(jax.devices()[0].device_kind)
     sweep_backward(args.shapes, args.backward_tiles and [
@@ -95,7 +100,7 @@ def main():
     return
   tiles = TILES if args.tiles is None else [
       tuple(int(x) for x in t.split(",")) for t in args.tiles]
-  print(jax.devices()[0].device_kind)
+  print(jax.devices()[0].device_kind, "persistent:", args.persistent)
   for shape in args.shapes:
     for causal in (False, True):
       q, k, v, _ = bench.random_inputs(jax.random.key(0), shape,
@@ -113,7 +118,8 @@ def main():
             continue
           step = jax.jit(functools.partial(
               forward.forward_call, q_lengths=None, kv_lengths=None,
-              spec=call.spec, block_sizes=sizes))
+              spec=call.spec, block_sizes=sizes,
+              persistent=persistent and not causal))
           first, per_call = bench.time_step(
               lambda q, k, v, _: step(q, k, v), (q, k, v, None), 3, 5, 10)
           print(f"  {block_q}x{block_kv} s{stages}: {per_call * 1e3:.3f} ms"

@@ -76,8 +76,15 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
                    sinks_ref, segments, out_ref, lse_ref, scratch, *,
                    mask: MaskSpec, scale: float, soft_cap: float | None,
                    block_sizes: MosaicBlockSizes, group: int, q_seq: int,
-                   kv_seq: int):
-  """The kernel; `segments`: a `pipeline.SegmentInputs` of refs, or None."""
+                   kv_seq: int,
+                   persistent: pipeline.PersistentGrid | None = None):
+  """The kernel; `segments`: a `pipeline.SegmentInputs` of refs, or None.
+
+  persistent: a persistent launch (grid axis "programs"; calls whose key
+  tiles do not depend on the block, see `forward_call`): each program
+  computes its items one after the other, the ring running on across them.
+  Else one block per grid point ("q_tiles", "heads", "batch").
+  """
   (qo_smem, k_smem, v_smem, lse_smem, ids_smem), barriers = scratch
   (q_ready, k_ready, v_ready, k_consumed, v_consumed,
    schedule) = barriers
@@ -86,28 +93,41 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
   head_dim = q_ref.shape[3]
   dtype = q_ref.dtype
   block_rows = COMPUTE_WARPGROUPS * block_q
+  wg = lax.axis_index("wg")
 
-  block = pipeline.query_block(
-      mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
-      block_rows=block_rows, block_kv=block_kv,
-      ranges_ref=None if segments is None else segments.block_ranges)
-  (batch, head, wg, block_start, q_len, kv_len, offset, steps_lo,
-   steps_hi) = block
+  def block_at(position=None):
+    return pipeline.query_block(
+        mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
+        block_rows=block_rows, block_kv=block_kv,
+        ranges_ref=None if segments is None else segments.block_ranges,
+        position=position)
+
   # With segments: the rows' ids (one row per consumer) and the ring of the
   # key tiles' ids, each loaded with its Q or K tile.
   q_ids, kv_ids = ((None, None) if segments is None else
                    ((segments.own_ids, ids_smem[0]),
                     (segments.streamed_ids, ids_smem[1])))
 
-  slot_of = functools.partial(pipeline.slot_of, lo=steps_lo, stages=stages)
-
   def take_turn():
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
-  @pl.when(wg < COMPUTE_WARPGROUPS)
-  def _consumer():
-    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+  def persistent_steps(block: pipeline.QueryBlock) -> int:
+    """Key tiles per item of a persistent kernel (the same for every
+    block: `forward_call` makes it persistent only then)."""
+    assert isinstance(block.steps_lo, int), block
+    assert isinstance(block.steps_hi, int), block
+    return block.steps_hi - block.steps_lo
+
+  def consume(block: pipeline.QueryBlock, base, first=True, last=True):
+    """One block's rows of this consumer; the block's first key tile is
+    step `base` of the ring (0 but in persistent kernels), `first` and
+    `last`: whether it is the consumer's first and last block (bools, or
+    traced in persistent kernels)."""
+    (batch, head, _, block_start, q_len, kv_len, offset, steps_lo,
+     steps_hi) = block
+    slot_of = functools.partial(pipeline.slot_of, lo=steps_lo - base,
+                                stages=stages)
     q_start = pipeline.row_group_start(block_start, wg, block_q)
     q_tile = qo_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head],
@@ -210,11 +230,11 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
         None if segments is None else segments.group_ranges)
     # The second consumer starts one turn later: from then on the two
     # alternate between matrix products and softmax.
-    pl.when(wg == 1)(take_turn)
+    pl.when(_and(wg == 1, first))(take_turn)
     for lo, hi, kind in pipeline.consumer_runs(own, steps_lo, steps_hi):
       carry = lax.fori_loop(lo, hi, functools.partial(step, kind=kind),
                             carry)
-    pl.when(wg == 0)(take_turn)
+    pl.when(_and(wg == 0, last))(take_turn)
     acc, row_max, row_sum = carry
 
     # A row has a visible key iff its sum is positive (masked probabilities
@@ -233,17 +253,66 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
                             out_ref.at[batch, pl.ds(q_start, block_q), head])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                             lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+
+  @pl.when(wg < COMPUTE_WARPGROUPS)
+  def _consumer():
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    if persistent is None:
+      consume(block_at(), 0)
+    else:
+      steps = persistent_steps(block_at(persistent.position(0)))
+      num_items = persistent.num_items()
+
+      @pl.loop(0, num_items)
+      def _item(k):
+        # The previous item's output stores must have read the Q/O and lse
+        # tiles before they are reused.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        consume(block_at(persistent.position(k)), k * steps, first=k == 0,
+                last=k == num_items - 1)
+
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == PRODUCER)
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-    load = pipeline.key_value_loader(
-        k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, batch=batch,
-        kv_head=pipeline.kv_head_of(head, group), block_kv=block_kv,
-        ids=kv_ids)
-    pipeline.produce(load, steps_lo, steps_hi, stages,
+
+    def loader(block: pipeline.QueryBlock):
+      return pipeline.key_value_loader(
+          k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, batch=block.batch,
+          kv_head=pipeline.kv_head_of(block.head, group), block_kv=block_kv,
+          ids=kv_ids)
+
+    if persistent is None:
+      block = block_at()
+      pipeline.produce(loader(block), block.steps_lo, block.steps_hi, stages,
+                       (k_consumed, v_consumed))
+      return
+    first = block_at(persistent.position(0))
+    steps = persistent_steps(first)
+
+    def load(ring_step, slot):
+      # Ring step k * steps + i: key tile steps_lo + i of the k-th item.
+      block = block_at(persistent.position(lax.div(ring_step,
+                                                   jnp.int32(steps))))
+      loader(block)(first.steps_lo + lax.rem(ring_step, jnp.int32(steps)),
+                    slot)
+
+    pipeline.produce(load, 0, persistent.num_items() * steps, stages,
                      (k_consumed, v_consumed))
+
+
+def is_persistent(mask: MaskSpec) -> bool:
+  """Whether the forward runs persistent (pipeline.PersistentGrid): when
+  every block visits the same key tiles (no causal mask, window, lengths
+  or segments), so that programs given items round-robin get equal work."""
+  return not (mask.is_causal or mask.window is not None or mask.has_lengths
+              or mask.has_segments)
+
+
+def _and(a, b):
+  """a and b, for a traced bool `a` and a Python or traced bool `b`."""
+  return a if b is True else jnp.logical_and(a, b)
 
 
 def pad_rows(x, multiple: int):
@@ -257,7 +326,8 @@ def pad_rows(x, multiple: int):
 
 def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None,
                  segment_ids: pipeline.SegmentIds | None = None, *,
-                 spec: CallSpec, block_sizes: MosaicBlockSizes):
+                 spec: CallSpec, block_sizes: MosaicBlockSizes,
+                 persistent: bool | None = None):
   """Launches the forward kernel.
 
   Args:
@@ -267,6 +337,8 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None,
     sinks: float32 [B, N] natural-log sink logits, or None.
     segment_ids: with segments, the ids and filled lengths, else None.
     spec: the call.
+    persistent: whether to launch a persistent kernel; None: where
+      `is_persistent` allows (True there only, for comparisons).
     block_sizes: the tiles.
 
   Returns:
@@ -310,12 +382,19 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None,
           plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
       ),
   )
+  num_tiles = pl.cdiv(q_seq, COMPUTE_WARPGROUPS * block_q)
+  if persistent and not is_persistent(spec.mask):
+    raise ValueError(f"persistent=True needs a mask without causal, window, "
+                     f"lengths or segments; got {spec.mask}.")
+  if persistent is None:
+    persistent = is_persistent(spec.mask)
+  persistent = (pipeline.PersistentGrid.over(num_tiles, num_heads, batch)
+                if persistent else None)
   kernel = functools.partial(
       forward_kernel, mask=spec.mask, scale=spec.scale,
       soft_cap=spec.logits_soft_cap, block_sizes=block_sizes,
-      group=num_heads // num_kv_heads, q_seq=q_seq, kv_seq=kv_seq)
-
-  num_tiles = pl.cdiv(q_seq, COMPUTE_WARPGROUPS * block_q)
+      group=num_heads // num_kv_heads, q_seq=q_seq, kv_seq=kv_seq,
+      persistent=persistent)
   segments = None
   if has_segments:
     segments = pipeline.segment_inputs(
@@ -340,8 +419,10 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None,
       out_type=(sharding.output_struct(query.shape, dtype, query, key),
                 sharding.output_struct((batch, num_heads, lse_seq),
                                        jnp.float32, query, key)),
-      grid=(num_tiles, num_heads, batch),
-      grid_names=("q_tiles", "heads", "batch"),
+      grid=((num_tiles, num_heads, batch) if persistent is None
+            else (persistent.programs,)),
+      grid_names=(("q_tiles", "heads", "batch") if persistent is None
+                  else ("programs",)),
       num_threads=COMPUTE_WARPGROUPS + 1,
       args=(query, key, value, q_lengths, kv_lengths,
             *([] if sinks is None else [sinks.astype(jnp.float32)]),

@@ -175,10 +175,77 @@ def query_loader(q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem,
   return load
 
 
-def query_block_start(mask: MaskSpec, q_seq: int, block_rows: int):
-  """First query row of this block (grid axis "q_tiles"); causal blocks
-  run in reverse, longest first (they visit the most key tiles)."""
-  tile = lax.axis_index("q_tiles")
+class Position(NamedTuple):
+  """A block's (query tile, head, batch element): its grid point, or in a
+  persistent kernel the work item it is on."""
+
+  q_tile: jax.Array
+  head: jax.Array
+  batch: jax.Array
+
+
+def grid_position() -> Position:
+  """The block's grid point (grid axes "q_tiles", "heads", "batch")."""
+  return Position(lax.axis_index("q_tiles"), lax.axis_index("heads"),
+                  lax.axis_index("batch"))
+
+
+# Persistent kernels: the grid is one program per SM (grid axis
+# "programs"), and program p works through items p, p + P, p + 2P, ... of
+# the (batch, head, query tile) space, query tiles fastest (programs in
+# flight together share a head's K and V in L2). A block's prologue (Q
+# load, ring fill) and epilogue (output stores) then overlap the ring's
+# next tiles instead of costing a launch each: short sequences gain most.
+
+# SMs of an H100/H200 SXM, for lowering on a machine without a GPU.
+DEFAULT_SM_COUNT = 132
+
+
+def sm_count() -> int:
+  """The default device's SMs (DEFAULT_SM_COUNT off the GPU)."""
+  device = jax.devices()[0]
+  count = getattr(device, "core_count", None)
+  if device.platform != "gpu" or not count:
+    return DEFAULT_SM_COUNT
+  return int(count)
+
+
+class PersistentGrid(NamedTuple):
+  """A persistent launch: `programs` programs over `items` work items of
+  `q_tiles` query tiles and `heads` heads each per batch element."""
+
+  programs: int
+  items: int
+  q_tiles: int
+  heads: int
+
+  @classmethod
+  def over(cls, q_tiles: int, heads: int, batch: int) -> PersistentGrid:
+    items = q_tiles * heads * batch
+    return cls(programs=min(items, sm_count()), items=items,
+               q_tiles=q_tiles, heads=heads)
+
+  def num_items(self):
+    """Items of this program (grid axis "programs"), an int32 scalar."""
+    program = lax.axis_index("programs")
+    return lax.div(self.items - program + self.programs - 1,
+                   jnp.int32(self.programs))
+
+  def position(self, k) -> Position:
+    """The position of this program's k-th item."""
+    item = lax.axis_index("programs") + k * self.programs
+    rest = lax.div(item, jnp.int32(self.q_tiles))
+    return Position(q_tile=lax.rem(item, jnp.int32(self.q_tiles)),
+                    head=lax.rem(rest, jnp.int32(self.heads)),
+                    batch=lax.div(rest, jnp.int32(self.heads)))
+
+
+def query_block_start(mask: MaskSpec, q_seq: int, block_rows: int,
+                      q_tile=None):
+  """First query row of query tile `q_tile` (default: grid axis
+  "q_tiles"); causal blocks run in reverse, longest first (they visit the
+  most key tiles)."""
+  tile = lax.axis_index("q_tiles") if q_tile is None else q_tile
   if mask.is_causal:
     tile = (pl.cdiv(q_seq, block_rows) - 1) - tile
   return tile * block_rows
@@ -218,14 +285,19 @@ def _span(runs):
 
 def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
                 q_seq: int, kv_seq: int, block_rows: int, block_kv: int,
-                ranges_ref=None) -> QueryBlock:
-  """This block's position, lengths and key tiles (grid axes "q_tiles",
-  "heads", "batch"; thread axis "wg"). ranges_ref: with segments, the
-  host's per-block key tile ranges (`SegmentInputs.block_ranges`)."""
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("heads")
+                ranges_ref=None, position: Position | None = None
+                ) -> QueryBlock:
+  """This block's position, lengths and key tiles (thread axis "wg").
+
+  position: the block's (query tile, head, batch); default: its grid
+    point (grid axes "q_tiles", "heads", "batch").
+  ranges_ref: with segments, the host's per-block key tile ranges
+    (`SegmentInputs.block_ranges`).
+  """
+  position = grid_position() if position is None else position
+  batch, head = position.batch, position.head
   warpgroup = lax.axis_index("wg")
-  start = query_block_start(mask, q_seq, block_rows)
+  start = query_block_start(mask, q_seq, block_rows, position.q_tile)
   q_len, kv_len = lengths(mask, q_lengths_ref, kv_lengths_ref, batch, q_seq,
                           kv_seq)
   offset = masks.causal_offset(mask, q_len, kv_len)
