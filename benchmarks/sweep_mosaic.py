@@ -119,7 +119,7 @@ def main():
           step = jax.jit(functools.partial(
               forward.forward_call, q_lengths=None, kv_lengths=None,
               spec=call.spec, block_sizes=sizes,
-              persistent=persistent and not causal))
+              persistent=persistent))
           first, per_call = bench.time_step(
               lambda q, k, v, _: step(q, k, v), (q, k, v, None), 3, 5, 10)
           print(f"  {block_q}x{block_kv} s{stages}: {per_call * 1e3:.3f} ms"

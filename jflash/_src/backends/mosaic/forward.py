@@ -112,12 +112,25 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
-  def persistent_steps(block: pipeline.QueryBlock) -> int:
-    """Key tiles per item of a persistent kernel (the same for every
-    block: `forward_call` makes it persistent only then)."""
-    assert isinstance(block.steps_lo, int), block
-    assert isinstance(block.steps_hi, int), block
-    return block.steps_hi - block.steps_lo
+  def over_items(run_block):
+    """Persistent kernels: run_block(block, base) on each block of this
+    program's items in turn, `base` the ring step of the block's first key
+    tile (the ring runs on across blocks)."""
+
+    def item(k, base):
+      for which in range(persistent.blocks_per_item):
+        position, valid = persistent.position(k, which)
+        block = block_at(position)
+        run = functools.partial(run_block, block, base)
+        if valid is True:
+          run()
+        else:
+          pl.when(valid)(run)
+        steps = block.steps_hi - block.steps_lo
+        base = base + (steps if valid is True else jnp.where(valid, steps, 0))
+      return base
+
+    lax.fori_loop(0, persistent.num_items(), item, jnp.int32(0))
 
   def consume(block: pipeline.QueryBlock, base, first=True, last=True):
     """One block's rows of this consumer; the block's first key tile is
@@ -260,17 +273,16 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     if persistent is None:
       consume(block_at(), 0)
     else:
-      steps = persistent_steps(block_at(persistent.position(0)))
-      num_items = persistent.num_items()
-
-      @pl.loop(0, num_items)
-      def _item(k):
-        # The previous item's output stores must have read the Q/O and lse
+      def run_block(block, base):
+        # The previous block's output stores must have read the Q/O and lse
         # tiles before they are reused.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        consume(block_at(persistent.position(k)), k * steps, first=k == 0,
-                last=k == num_items - 1)
+        consume(block, base, first=False, last=False)
 
+      # The ping-pong's offset (see consume) once for all blocks.
+      pl.when(wg == 1)(take_turn)
+      over_items(run_block)
+      pl.when(wg == 0)(take_turn)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == PRODUCER)
@@ -288,25 +300,16 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
       pipeline.produce(loader(block), block.steps_lo, block.steps_hi, stages,
                        (k_consumed, v_consumed))
       return
-    first = block_at(persistent.position(0))
-    steps = persistent_steps(first)
-
-    def load(ring_step, slot):
-      # Ring step k * steps + i: key tile steps_lo + i of the k-th item.
-      block = block_at(persistent.position(lax.div(ring_step,
-                                                   jnp.int32(steps))))
-      loader(block)(first.steps_lo + lax.rem(ring_step, jnp.int32(steps)),
-                    slot)
-
-    pipeline.produce(load, 0, persistent.num_items() * steps, stages,
-                     (k_consumed, v_consumed))
+    over_items(lambda block, base: pipeline.produce_continuing(
+        loader(block), block.steps_lo, block.steps_hi, base, stages,
+        (k_consumed, v_consumed)))
 
 
 def is_persistent(mask: MaskSpec) -> bool:
   """Whether the forward runs persistent (pipeline.PersistentGrid): when
-  every block visits the same key tiles (no causal mask, window, lengths
-  or segments), so that programs given items round-robin get equal work."""
-  return not (mask.is_causal or mask.window is not None or mask.has_lengths
+  items handed out round-robin cost about the same (no window, lengths or
+  segments; causal tiles go in pairs)."""
+  return not (mask.window is not None or mask.has_lengths
               or mask.has_segments)
 
 
@@ -384,11 +387,12 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None,
   )
   num_tiles = pl.cdiv(q_seq, COMPUTE_WARPGROUPS * block_q)
   if persistent and not is_persistent(spec.mask):
-    raise ValueError(f"persistent=True needs a mask without causal, window, "
-                     f"lengths or segments; got {spec.mask}.")
+    raise ValueError(f"persistent=True needs a mask without window, lengths "
+                     f"or segments; got {spec.mask}.")
   if persistent is None:
     persistent = is_persistent(spec.mask)
-  persistent = (pipeline.PersistentGrid.over(num_tiles, num_heads, batch)
+  persistent = (pipeline.PersistentGrid.over(num_tiles, num_heads, batch,
+                                             pairs=spec.mask.is_causal)
                 if persistent else None)
   kernel = functools.partial(
       forward_kernel, mask=spec.mask, scale=spec.scale,

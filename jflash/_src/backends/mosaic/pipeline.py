@@ -211,19 +211,34 @@ def sm_count() -> int:
 
 
 class PersistentGrid(NamedTuple):
-  """A persistent launch: `programs` programs over `items` work items of
-  `q_tiles` query tiles and `heads` heads each per batch element."""
+  """A persistent launch: `programs` programs over `items` work items.
+
+  An item is one query tile of a (batch, head) or, with `pairs` (causal
+  masks, where a tile's work grows with its index), the two tiles t and
+  q_tiles - 1 - t: every item then costs about the same (q_tiles + 1 key
+  tiles), so that handing them out round-robin balances the programs.
+  """
 
   programs: int
   items: int
   q_tiles: int
   heads: int
+  pairs: bool
 
   @classmethod
-  def over(cls, q_tiles: int, heads: int, batch: int) -> PersistentGrid:
-    items = q_tiles * heads * batch
+  def over(cls, q_tiles: int, heads: int, batch: int, *,
+           pairs: bool) -> PersistentGrid:
+    items = cls.per_head(q_tiles, pairs) * heads * batch
     return cls(programs=min(items, sm_count()), items=items,
-               q_tiles=q_tiles, heads=heads)
+               q_tiles=q_tiles, heads=heads, pairs=pairs)
+
+  @staticmethod
+  def per_head(q_tiles: int, pairs: bool) -> int:
+    return (q_tiles + 1) // 2 if pairs else q_tiles
+
+  @property
+  def blocks_per_item(self) -> int:
+    return 2 if self.pairs else 1
 
   def num_items(self):
     """Items of this program (grid axis "programs"), an int32 scalar."""
@@ -231,13 +246,39 @@ class PersistentGrid(NamedTuple):
     return lax.div(self.items - program + self.programs - 1,
                    jnp.int32(self.programs))
 
-  def position(self, k) -> Position:
-    """The position of this program's k-th item."""
+  def position(self, k, which: int = 0):
+    """(position, valid) of block `which` of this program's k-th item:
+    valid is False for the second block of the middle tile's item (an odd
+    number of tiles pairs it with itself), else True."""
     item = lax.axis_index("programs") + k * self.programs
-    rest = lax.div(item, jnp.int32(self.q_tiles))
-    return Position(q_tile=lax.rem(item, jnp.int32(self.q_tiles)),
-                    head=lax.rem(rest, jnp.int32(self.heads)),
-                    batch=lax.div(rest, jnp.int32(self.heads)))
+    per_head = jnp.int32(self.per_head(self.q_tiles, self.pairs))
+    tile, rest = lax.rem(item, per_head), lax.div(item, per_head)
+    head = lax.rem(rest, jnp.int32(self.heads))
+    batch = lax.div(rest, jnp.int32(self.heads))
+    if which == 0:
+      return Position(q_tile=tile, head=head, batch=batch), True
+    return (Position(q_tile=self.q_tiles - 1 - tile, head=head, batch=batch),
+            2 * tile + 1 != self.q_tiles)
+
+
+def produce_continuing(load: Callable, lo, hi, base, stages: int,
+                       consumed: tuple):
+  """As `produce`, for a ring that runs on across blocks (persistent
+  kernels): step `step` of [lo, hi) is ring step base + step - lo, in slot
+  (base + step - lo) % stages, refilled once consumed (ring steps past the
+  first `stages`)."""
+
+  @pl.loop(static_or_int32(lo), static_or_int32(hi))
+  def _step(step):
+    ring_step = base + (step - lo)
+    slot = lax.rem(ring_step, stages)
+
+    @pl.when(ring_step >= stages)
+    def _wait():
+      for barriers in consumed:
+        plgpu.barrier_wait(barriers.at[slot])
+
+    load(step, slot)
 
 
 def query_block_start(mask: MaskSpec, q_seq: int, block_rows: int,
