@@ -115,22 +115,21 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
   def over_items(run_block):
     """Persistent kernels: run_block(block, base) on each block of this
     program's items in turn, `base` the ring step of the block's first key
-    tile (the ring runs on across blocks)."""
+    tile (the ring runs on across blocks). One loop over the blocks, so
+    that the block's code is emitted once (compile time)."""
 
-    def item(k, base):
-      for which in range(persistent.blocks_per_item):
-        position, valid = persistent.position(k, which)
-        block = block_at(position)
-        run = functools.partial(run_block, block, base)
-        if valid is True:
-          run()
-        else:
-          pl.when(valid)(run)
-        steps = block.steps_hi - block.steps_lo
-        base = base + (steps if valid is True else jnp.where(valid, steps, 0))
-      return base
+    def one_block(j, base):
+      position, valid = persistent.position(j)
+      block = block_at(position)
+      run = functools.partial(run_block, block, base)
+      steps = block.steps_hi - block.steps_lo
+      if valid is True:
+        run()
+        return base + steps
+      pl.when(valid)(run)
+      return base + jnp.where(valid, steps, 0)
 
-    lax.fori_loop(0, persistent.num_items(), item, jnp.int32(0))
+    lax.fori_loop(0, persistent.num_blocks(), one_block, jnp.int32(0))
 
   def consume(block: pipeline.QueryBlock, base, first=True, last=True):
     """One block's rows of this consumer; the block's first key tile is

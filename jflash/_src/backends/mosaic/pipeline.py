@@ -246,19 +246,29 @@ class PersistentGrid(NamedTuple):
     return lax.div(self.items - program + self.programs - 1,
                    jnp.int32(self.programs))
 
-  def position(self, k, which: int = 0):
-    """(position, valid) of block `which` of this program's k-th item:
-    valid is False for the second block of the middle tile's item (an odd
-    number of tiles pairs it with itself), else True."""
+  def num_blocks(self):
+    """Blocks of this program: blocks_per_item per item."""
+    return self.num_items() * self.blocks_per_item
+
+  def position(self, j):
+    """(position, valid) of this program's j-th block (block j % 2 of item
+    j // 2 with pairs): valid is False for the second block of the middle
+    tile's item (an odd number of tiles pairs it with itself), else True
+    (a Python bool without pairs)."""
+    k, which = j, 0
+    if self.pairs:
+      k, which = lax.div(j, jnp.int32(2)), lax.rem(j, jnp.int32(2))
     item = lax.axis_index("programs") + k * self.programs
     per_head = jnp.int32(self.per_head(self.q_tiles, self.pairs))
     tile, rest = lax.rem(item, per_head), lax.div(item, per_head)
     head = lax.rem(rest, jnp.int32(self.heads))
     batch = lax.div(rest, jnp.int32(self.heads))
-    if which == 0:
+    if not self.pairs:
       return Position(q_tile=tile, head=head, batch=batch), True
-    return (Position(q_tile=self.q_tiles - 1 - tile, head=head, batch=batch),
-            2 * tile + 1 != self.q_tiles)
+    second = which == 1
+    return (Position(q_tile=jnp.where(second, self.q_tiles - 1 - tile, tile),
+                     head=head, batch=batch),
+            jnp.logical_or(~second, 2 * tile + 1 != self.q_tiles))
 
 
 def produce_continuing(load: Callable, lo, hi, base, stages: int,
