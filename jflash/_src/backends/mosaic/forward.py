@@ -16,6 +16,15 @@ computes 2 * block_q query rows of one (batch, head) with three warpgroups.
 - The output goes back through the Q slot of shared memory and a TMA store;
   the lse (base 2, float32, `numerics.py`) through its own small slot.
 
+Persistent launch (`is_persistent`: calls without window, lengths or
+segments): one program per SM instead of one block per (query tile, head,
+batch); each program works through its items (`pipeline.PersistentGrid`:
+round-robin, query tiles fastest so that programs in flight share a head's
+K and V in L2; causal tiles in pairs t, n-1-t of equal total work) while
+the producer's ring runs on from one block into the next, so a block's Q
+load and output stores overlap the next block's K/V loads instead of
+costing a launch (H100: +12-60% at 2048 keys, a few % at 8k-32k).
+
 Masks come from `masks.py`, as for every backend: the key tiles a query
 tile visits (fully masked tiles are never visited) and the element-wise
 predicate, applied only on tiles the mask cuts. The producer loads the union
