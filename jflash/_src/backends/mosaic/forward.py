@@ -431,9 +431,9 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None,
       out_type=(sharding.output_struct(query.shape, dtype, query, key),
                 sharding.output_struct((batch, num_heads, lse_seq),
                                        jnp.float32, query, key)),
-      grid=((num_tiles, num_heads, batch) if persistent is None
+      grid=((batch, num_heads, num_tiles) if persistent is None
             else (persistent.programs,)),
-      grid_names=(("q_tiles", "heads", "batch") if persistent is None
+      grid_names=(("batch", "heads", "q_tiles") if persistent is None
                   else ("programs",)),
       num_threads=COMPUTE_WARPGROUPS + 1,
       args=(query, key, value, q_lengths, kv_lengths,

@@ -586,7 +586,15 @@ def launch(kernel, scratch, *, out_type, grid, grid_names, num_threads: int,
            args):
   """Runs kernel(*in_refs, *out_refs, scratch) over `grid`, with
   `num_threads` warpgroups (thread axis "wg") sharing the scoped `scratch`
-  (shared memory and barriers)."""
+  (shared memory and barriers).
+
+  Blocks start in row-major order of `grid`: its LAST axis varies fastest
+  (Mosaic GPU reverses the grid into CUDA's x, y, z). The kernels put their
+  tile axis last, so that the blocks in flight are tiles of a few heads and
+  share those heads' K/V (or Q/dO) in L2; with the tile axis first, 132
+  blocks in flight spanned every (batch, head) of one tile and re-read
+  K/V from HBM (8x2048x16 heads: 2.6x the time of 4x2048).
+  """
 
   def body(*refs):
     pl.run_scoped(lambda *scoped: kernel(*refs, scoped), *scratch,
