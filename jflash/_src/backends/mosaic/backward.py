@@ -575,8 +575,10 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
     dq = pipeline.launch(
         kernel, dq_scratch,
         out_type=sharding.output_struct(query.shape, dtype, *args),
-        grid=(batch, num_heads, pl.cdiv(q_seq, row_groups * block_q)),
-        grid_names=("batch", "heads", "q_tiles"),
+        **pipeline.tile_grid(
+            pl.cdiv(q_seq, row_groups * block_q), num_heads, batch,
+            tile_axis="q_tiles", mask=spec.mask,
+            streamed_bytes=2 * key.size * key.dtype.itemsize),
         num_threads=COMPUTE_WARPGROUPS + 1, args=operands)
 
   block_q, block_kv = block_sizes.block_q_dkv, block_sizes.block_kv_dkv
@@ -607,8 +609,10 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
       no_dq_sum=not atomic_dq)
   launch_dkv = functools.partial(
       pipeline.launch, kernel, dkv_scratch,
-      grid=(batch, num_kv_heads, pl.cdiv(kv_seq, row_groups * block_kv)),
-      grid_names=("batch", "heads", "kv_tiles"),
+      **pipeline.tile_grid(
+          pl.cdiv(kv_seq, row_groups * block_kv), num_kv_heads, batch,
+          tile_axis="kv_tiles", mask=spec.mask,
+          streamed_bytes=2 * query.size * query.dtype.itemsize),
       num_threads=COMPUTE_WARPGROUPS + 1)
   if not atomic_dq:
     dk, dv = launch_dkv(out_type=(kv_struct, kv_struct), args=operands)

@@ -431,10 +431,11 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None,
       out_type=(sharding.output_struct(query.shape, dtype, query, key),
                 sharding.output_struct((batch, num_heads, lse_seq),
                                        jnp.float32, query, key)),
-      grid=((batch, num_heads, num_tiles) if persistent is None
-            else (persistent.programs,)),
-      grid_names=(("batch", "heads", "q_tiles") if persistent is None
-                  else ("programs",)),
+      **(pipeline.tile_grid(num_tiles, num_heads, batch,
+                            tile_axis="q_tiles", mask=spec.mask,
+                            streamed_bytes=2 * key.size * key.dtype.itemsize)
+         if persistent is None
+         else dict(grid=(persistent.programs,), grid_names=("programs",))),
       num_threads=COMPUTE_WARPGROUPS + 1,
       args=(query, key, value, q_lengths, kv_lengths,
             *([] if sinks is None else [sinks.astype(jnp.float32)]),
