@@ -10,14 +10,19 @@ The model takes every decision from the code the kernels run:
 
 - the launch (grid, padded operand shapes, the lse array's length) from the
   kernels' own launches, traced on CPU (`_launches`);
+- with segment ids, the host's padded ids and per-tile segment ranges
+  (`pipeline.segment_inputs`, with the arguments the host code passed when
+  traced);
 - per grid point and compute warpgroup, the block's position, lengths, the
   producer's range of tiles and the consumer's runs ("skip", "full",
   "masked") from the helpers the kernels call (`pipeline.query_block`,
   `key_block`, `row_group_start`, `key_tiles`, `query_tiles`,
-  `consumer_runs`, `kv_head_of`), evaluated under named axes ("q_tiles",
+  `consumer_runs`, `kv_head_of`; with segments, the ranges tables read
+  through `segment_range`), evaluated under named axes ("q_tiles",
   "heads", "batch", "wg") as in the kernels;
 - per tile, the element-wise mask (`pipeline.key_tile_visible`,
-  `query_tile_visible`), the lse of rows past q_len (`valid_lse`), and in
+  `query_tile_visible`, with segments given the rows' and columns' ids as
+  the kernels load them), the lse of rows past q_len (`valid_lse`), and in
   the dK/dV kernel the ring (`group_slot` for the consumers,
   `group_step_rows` for what the producer loads).
 
@@ -26,14 +31,19 @@ base 2 from the sink or MASK_VALUE, masked logits and probabilities on
 "masked" tiles only, nothing on "skip" tiles, empty rows: O = 0, lse2 =
 +inf), with TMA's behaviour: loads past an array's end read zeros (a 1-D
 lse/delta load is bounded by the whole array, not by its row), stores past
-it are dropped, outputs start as NaN (uninitialized memory). It also checks
-the pipelines' protocol: each consumer walks exactly the producer's steps,
-and in the dK/dV ring reads each step from the producer's slot. Wrong run
-bounds, kinds, row offsets or ring slots make the results differ from the
+it are dropped, outputs start as NaN (uninitialized memory); 1-D segment
+id loads must stay in their row, as the host pads the ids for. It also
+checks the pipelines' protocol: each consumer walks exactly the producer's
+steps, and in the dK/dV ring reads each step from the producer's slot; and
+it lists reads of the segment ranges tables outside them (a GPU reads other
+memory there; the model reads the widest range). Wrong run bounds, kinds,
+row offsets, ring slots or segment ranges make the results differ from the
 reference (`ModelSensitivityTest` breaks a few on purpose).
 
 What the model cannot see is the GPU code around those decisions (wgmma,
-barriers, layouts, ping-pong): the GPU suite checks it
+barriers, layouts, ping-pong, which refs the kernels hand the helpers: the
+model calls them as the kernels' code does, e.g. block ranges to
+query_block, row-group ranges to key_tiles): the GPU suite checks it
 (JFLASH_TEST_ON_GPU=1), and the lowering test checks that it lowers.
 """
 
@@ -87,12 +97,16 @@ class Case:
       them, lengths int32 [B] and sinks float32 [B, N].
     lengths: (q_lengths, kv_lengths), B values each, or None: no lengths.
     block_sizes: the tiles, or None: the backend's default.
+    segments: (q_ids, kv_ids), per batch element a tuple of T (S) segment
+      ids, or None: no segments (tuples: a Case is a functools.cache key).
   """
 
   spec: CallSpec
   operands: Operands
   lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None
   block_sizes: MosaicBlockSizes | None = None
+  segments: tuple[tuple[tuple[int, ...], ...],
+                  tuple[tuple[int, ...], ...]] | None = None
 
   def lengths_arrays(self):
     """(q_lengths, kv_lengths) int32 [B] as the kernels read them (zeros,
@@ -102,23 +116,54 @@ class Case:
       return zeros, zeros
     return tuple(np.asarray(x, np.int32) for x in self.lengths)
 
+  def segment_ids(self) -> pipeline.SegmentIds | None:
+    """The kernels' `pipeline.SegmentIds` as `backend._segment_ids` builds
+    them (ids int32 [B, T], [B, S]; the lengths filled with the full ones
+    without lengths), or None without segments."""
+    if self.segments is None:
+      return None
+    spec = self.spec
+    q_lengths, kv_lengths = (
+        (np.full(spec.batch, spec.q_len, np.int32),
+         np.full(spec.batch, spec.kv_len, np.int32))
+        if self.lengths is None else self.lengths_arrays())
+    q_ids, kv_ids = (np.asarray(x, np.int32) for x in self.segments)
+    return pipeline.SegmentIds(q_ids, kv_ids, q_lengths, kv_lengths)
+
+
+def _ids(*runs) -> tuple[int, ...]:
+  """One batch element's segment ids from (id, count) runs, in order."""
+  return tuple(i for i, count in runs for _ in range(count))
+
 
 def _case(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, *,
           is_causal=False, bottom_right=False, window=None, soft_cap=None,
-          sinks=False, lengths=None, block_sizes=None) -> Case:
+          sinks=False, lengths=None, block_sizes=None,
+          segments=None) -> Case:
   """The call on q [B, T, N, D], k/v [B, S, K, D] with scale 1/sqrt(D),
-  described by the library (`describe_call`, as the public function)."""
+  described by the library (`describe_call`, as the public function).
+  segments: (q_ids, kv_ids), per batch element a sequence of T (S) ids."""
   struct = jax.ShapeDtypeStruct
   kv = struct((batch, kv_len, num_kv_heads, head_dim), jnp.bfloat16)
   per_batch = None if lengths is None else struct((batch,), jnp.int32)
+  if segments is not None:
+    segments = tuple(tuple(tuple(int(i) for i in row) for row in ids)
+                     for ids in segments)
+    for ids, seq in zip(segments, (q_len, kv_len), strict=True):
+      assert len(ids) == batch and all(len(row) == seq for row in ids), (
+          "segment ids must be [B, T] and [B, S]")
   operands = Operands(
       struct((batch, q_len, num_heads, head_dim), jnp.bfloat16), kv, kv,
       q_lengths=per_batch, kv_lengths=per_batch,
+      q_segment_ids=(None if segments is None
+                     else struct((batch, q_len), jnp.int32)),
+      kv_segment_ids=(None if segments is None
+                      else struct((batch, kv_len), jnp.int32)),
       sinks=struct((batch, num_heads), jnp.float32) if sinks else None)
   spec = describe_call(
       operands, scale=head_dim ** -0.5, is_causal=is_causal,
       bottom_right=bottom_right, window=window, logits_soft_cap=soft_cap)
-  return Case(spec, operands, lengths, block_sizes)
+  return Case(spec, operands, lengths, block_sizes, segments)
 
 
 # Lengths that are not multiples of the tiles (nor of TMA_ROWS), T < S and
@@ -165,7 +210,61 @@ CASES = (
            block_sizes=MosaicBlockSizes(
                block_kv=64, num_stages=3, block_kv_dq=128, block_q_dkv=128,
                backward_stages=2))),
+    # Segments. With the default tiles a forward block is 128 query rows
+    # (two row groups of 64) streaming 128-key tiles (64 at D=256), a
+    # backward block two row groups of 64 rows (one at D=256) streaming
+    # 128-row tiles at D=64, 64-row ones above: a segment edge on a
+    # multiple of 128 takes whole tiles out of a block's range (the
+    # producer's), one elsewhere out of one row group's only ("skip" runs),
+    # or cuts a tile (element-wise).
+    # Packed self-attention: batch 0's edges at 50, 128 and 228, batch 1's
+    # at 200.
+    ("packed_causal_gqa",
+     _case(2, 300, 300, 4, 2, 64, is_causal=True,
+           segments=((_ids((0, 50), (1, 78), (2, 100), (3, 72)),
+                      _ids((5, 200), (6, 100))),) * 2)),
+    # Cross-attention, ids not sorted along the sequence and different on
+    # the two sides, with lengths: batch 0's query segment 7 has no key
+    # (rows 130-199 see none), batch 1's key segments come in the other
+    # order.
+    ("cross_unsorted_lengths_gqa_soft_cap",
+     _case(2, 200, 330, 2, 1, 128, soft_cap=10.0,
+           lengths=((200, 150), (330, 260)),
+           segments=((_ids((3, 40), (1, 60), (3, 30), (7, 70)),
+                      _ids((0, 100), (2, 100))),
+                     (_ids((1, 128), (3, 100), (5, 102)),
+                      _ids((2, 130), (0, 200)))))),
+    # D=256 (forward 64x64 tiles; the backward's warpgroups share each
+    # row group, one column chunk each), bottom-right with lengths (offset
+    # 110, then 90), a window and sinks: batch 1's query segment 9 has no
+    # key (rows 90-99: only their sink).
+    ("d256_segments_bottom_right_window_sinks_lengths",
+     _case(2, 150, 260, 2, 1, 256, is_causal=True, bottom_right=True,
+           window=(60, 10), sinks=True, lengths=((150, 140), (260, 230)),
+           segments=((_ids((0, 18), (1, 132)),
+                      _ids((4, 90), (9, 10), (5, 50))),
+                     (_ids((0, 128), (1, 132)),
+                      _ids((4, 150), (5, 110)))))),
 )
+
+
+# Cases whose kernels read their segment ranges table past its end (a known
+# bug, see `test_model_matches_reference`): pipeline.segment_inputs sizes
+# `group_ranges` by the unpadded sequence, cdiv(T, group_rows) tiles (dK/dV:
+# S), but the grid has cdiv(T, block_rows) * block_rows / group_rows row
+# groups, and every row group reads its entry (key_tiles / query_tiles),
+# also one entirely past T: with an odd number of row-group tiles the last
+# row group reads one entry past the table. Its rows are past the sequence
+# and its runs are clipped to the producer's, so the results stay right
+# (the model reads the widest range there), but a GPU reads memory past the
+# table's end. When segment_inputs sizes the table by the grid, these cases
+# fail until removed from here.
+READS_PAST_TABLES = frozenset({
+    # T = S = 300: 5 row-group tiles, 6 row groups (each kernel).
+    "packed_causal_gqa",
+    # T = 150: 3 row-group tiles, 4 row groups (forward).
+    "d256_segments_bottom_right_window_sinks_lengths",
+})
 
 
 def _inputs(case: Case, seed: int):
@@ -192,9 +291,13 @@ def _visible(case: Case):
   rows = np.arange(spec.q_len)[:, None]
   cols = np.arange(spec.kv_len)[None, :]
   mask = spec.mask
+  segments = ((None,) * spec.batch,) * 2 if case.segments is None else (
+      case.segments)
   result = []
-  for q_len, kv_len in zip(q_lens, kv_lens):
+  for q_len, kv_len, q_ids, kv_ids in zip(q_lens, kv_lens, *segments):
     seen = (rows < q_len) & (cols < kv_len)
+    if q_ids is not None:
+      seen &= np.asarray(q_ids)[:, None] == np.asarray(kv_ids)[None, :]
     offset = kv_len - q_len if mask.is_causal and mask.bottom_right else 0
     if mask.is_causal:
       seen &= cols <= rows + offset
@@ -289,19 +392,29 @@ def _launches(fn, *args) -> list[Launch]:
 
 @functools.cache
 def _kernel_launches(case: Case, sizes: MosaicBlockSizes):
-  """(forward, dQ, dK/dV) launches of the backend for `case`."""
+  """((forward, dQ, dK/dV) launches of the backend for `case`, the keyword
+  arguments of the host code's `pipeline.segment_inputs` calls, in the
+  same order (none without segments))."""
   spec, operands = case.spec, case.operands
   config = mosaic_backend.configure(spec, {"block_sizes": sizes})
   # The backward's out and dout are shaped as q, its lse2 [B, N, T].
   q = operands.query
   lse2 = jax.ShapeDtypeStruct((spec.batch, spec.num_heads, spec.q_len),
                               jnp.float32)
-  (forward,) = _launches(
-      functools.partial(mosaic_backend.forward, spec, config), operands)
-  dq, dkv = _launches(
-      functools.partial(mosaic_backend.backward, spec, config), operands, q,
-      lse2, q)
-  return forward, dq, dkv
+  segment_calls = []
+  segment_inputs = pipeline.segment_inputs
+
+  def recorded(segment_ids, **kwargs):
+    segment_calls.append(kwargs)
+    return segment_inputs(segment_ids, **kwargs)
+
+  with mock.patch.object(pipeline, "segment_inputs", recorded):
+    (forward,) = _launches(
+        functools.partial(mosaic_backend.forward, spec, config), operands)
+    dq, dkv = _launches(
+        functools.partial(mosaic_backend.backward, spec, config), operands,
+        q, lse2, q)
+  return (forward, dq, dkv), tuple(segment_calls)
 
 
 # The kernels' decisions, from the helpers they call.
@@ -336,58 +449,144 @@ def _int32(tree):
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.int32), tree)
 
 
-def _decisions(case: Case, sizes: MosaicBlockSizes, launches):
+class _RecordedRanges:
+  """A segment ranges table ([B, 2, tiles]) that records where it is read.
+
+  A kernel reads its ranges table from GMEM at the tile index the helpers
+  compute. A read outside the table reads other memory on a GPU (where
+  jnp's indexing would clamp): here it reads the widest range, first 0 and
+  stop int32 max, the worst case for the run bounds; `run_model` lists
+  such reads (`_reads_past_tables`).
+  """
+
+  def __init__(self, table):
+    self.table = jnp.asarray(table)
+    self.reads = []
+
+  def __getitem__(self, index):
+    batch, part, tile = (jnp.asarray(i, jnp.int32) for i in index)
+    self.reads.append(jnp.stack([batch, part, tile]))
+    inside = ((0 <= batch) & (batch < self.table.shape[0])
+              & (0 <= tile) & (tile < self.table.shape[2]))
+    widest = jnp.where(part == 0, 0, jnp.iinfo(jnp.int32).max)
+    return jnp.where(inside, self.table[batch, part, tile], widest)
+
+  def read_indices(self):
+    """int32 [reads, 3]: the (batch, 0 or 1, tile) of each read."""
+    return jnp.stack(self.reads) if self.reads else jnp.zeros((0, 3),
+                                                               jnp.int32)
+
+
+class KernelRows(NamedTuple):
+  """How the model cuts a kernel's blocks (`_decisions`); its host code
+  must cut the segment ranges the same way (`run_model` checks)."""
+
+  queries_own: bool  # Its blocks own query rows (else key rows).
+  row_groups: int  # Row groups per block.
+  group_rows: int  # Rows per row group.
+  streamed_rows: int  # Rows of the other axis per streamed tile.
+
+
+def _kernel_rows(spec: CallSpec, sizes: MosaicBlockSizes):
+  """KernelRows of the forward, dQ and dK/dV kernels (forward_call,
+  backward_call)."""
+  row_groups, _ = backward_warpgroup_split(spec.head_dim)
+  return (KernelRows(True, COMPUTE_WARPGROUPS, sizes.block_q,
+                     sizes.block_kv),
+          KernelRows(True, row_groups, sizes.block_q_dq, sizes.block_kv_dq),
+          KernelRows(False, row_groups, sizes.block_kv_dkv,
+                     sizes.block_q_dkv))
+
+
+@functools.cache
+def _host_segment_inputs(case: Case, sizes: MosaicBlockSizes):
+  """The (forward, dQ, dK/dV) kernels' `pipeline.SegmentInputs` (NumPy) as
+  their host code computes them, with the arguments it passed when traced
+  (`_kernel_launches`); Nones without segments."""
+  segment_ids = case.segment_ids()
+  if segment_ids is None:
+    return (None,) * 3
+  _, calls = _kernel_launches(case, sizes)
+  if len(calls) != 3:
+    raise AssertionError(f"segment_inputs calls {calls}: not one per kernel")
+  return jax.device_get(jax.jit(
+      lambda ids: tuple(pipeline.segment_inputs(ids, **kwargs)
+                        for kwargs in calls))(segment_ids))
+
+
+def _decisions(case: Case, sizes: MosaicBlockSizes, launches, segments):
   """Every grid point's decisions of the three kernels, as NumPy arrays
-  [*grid, warpgroup], and the (static) kinds of their runs."""
+  [*grid, warpgroup], and the (static) kinds of their runs; `segments`:
+  the kernels' `_host_segment_inputs`."""
   spec = case.spec
   mask, q_seq, kv_seq, group = (spec.mask, spec.q_len, spec.kv_len,
                                 spec.group)
   forward_launch, dq_launch, dkv_launch = launches
-  row_groups, chunks = backward_warpgroup_split(spec.head_dim)
+  forward_rows, dq_rows, dkv_rows = _kernel_rows(spec, sizes)
+  _, chunks = backward_warpgroup_split(spec.head_dim)
   kinds = {}
 
   def runs_of(name, runs):
     kinds[name] = tuple(kind for _, _, kind in runs)
     return [(lo, hi) for lo, hi, _ in runs]
 
+  def recorded(segments):
+    """(block ranges, group ranges) as `_RecordedRanges`, or Nones."""
+    if segments is None:
+      return None, None
+    return (_RecordedRanges(segments.block_ranges),
+            _RecordedRanges(segments.group_ranges))
+
+  def reads(block_ranges, group_ranges):
+    """The tables' read indices, as decisions (none without segments)."""
+    if block_ranges is None:
+      return {}
+    return dict(block_reads=block_ranges.read_indices(),
+                group_reads=group_ranges.read_indices())
+
   def over_key_tiles(name, block_q, block_kv, num_row_groups, num_chunks):
     """The decisions of a kernel that walks key tiles for its query rows
     (forward, dQ): num_row_groups groups of block_q rows, each split into
     num_chunks column chunks, one per compute warpgroup."""
 
-    def decide(q_lengths, kv_lengths):
+    def decide(q_lengths, kv_lengths, segments):
+      block_ranges, group_ranges = recorded(segments)
       block = pipeline.query_block(
           mask, q_lengths, kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
-          block_rows=num_row_groups * block_q, block_kv=block_kv)
+          block_rows=num_row_groups * block_q, block_kv=block_kv,
+          ranges_ref=block_ranges)
       row_group, chunk = _roles(block.warpgroup, num_chunks)
       q_start = pipeline.row_group_start(block.start, row_group, block_q)
-      own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv)
+      own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv,
+                               ranges_ref=group_ranges)
       runs = pipeline.consumer_runs(own, block.steps_lo, block.steps_hi)
       return _int32(dict(
           block._asdict(), q_start=q_start, chunk=chunk,
           kv_head=pipeline.kv_head_of(block.head, group),
-          runs=runs_of(name, runs)))
+          runs=runs_of(name, runs), **reads(block_ranges, group_ranges)))
 
     return decide
 
   # The forward's warpgroups each own a row group, all columns.
-  forward = over_key_tiles("forward", sizes.block_q, sizes.block_kv,
-                           COMPUTE_WARPGROUPS, 1)
-  dq = over_key_tiles("dq", sizes.block_q_dq, sizes.block_kv_dq, row_groups,
-                      chunks)
+  forward = over_key_tiles("forward", forward_rows.group_rows,
+                           forward_rows.streamed_rows,
+                           forward_rows.row_groups, 1)
+  dq = over_key_tiles("dq", dq_rows.group_rows, dq_rows.streamed_rows,
+                      dq_rows.row_groups, chunks)
 
   num_q_tiles = -(-q_seq // sizes.block_q_dkv)
 
-  def dkv(q_lengths, kv_lengths):
+  def dkv(q_lengths, kv_lengths, segments):
+    block_ranges, group_ranges = recorded(segments)
     block = pipeline.key_block(
         mask, q_lengths, kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
-        block_rows=row_groups * sizes.block_kv_dkv,
-        block_q=sizes.block_q_dkv, group=group)
+        block_rows=dkv_rows.row_groups * sizes.block_kv_dkv,
+        block_q=sizes.block_q_dkv, group=group, ranges_ref=block_ranges)
     row_group, chunk = _roles(block.warpgroup, chunks)
     k_start = pipeline.row_group_start(block.start, row_group,
                                        sizes.block_kv_dkv)
     own = pipeline.query_tiles(mask, block, k_start, sizes.block_kv_dkv,
-                               sizes.block_q_dkv)
+                               sizes.block_q_dkv, ranges_ref=group_ranges)
     runs = pipeline.consumer_runs(own, block.tiles_lo, block.tiles_hi)
     # The ring: the consumers' slot of each (head of the group, query
     # tile); what the producer loads at each step, and where: `produce`
@@ -406,15 +605,18 @@ def _decisions(case: Case, sizes: MosaicBlockSizes, launches):
         pipeline.slot_of(step, 0, stages)))(steps)
     return _int32(dict(
         block._asdict(), k_start=k_start, chunk=chunk,
-        runs=runs_of("dkv", runs), slots=slots, loads=loads))
+        runs=runs_of("dkv", runs), slots=slots, loads=loads,
+        **reads(block_ranges, group_ranges)))
 
-  @jax.jit
-  def decide(q_lengths, kv_lengths):
-    return tuple(_over_grid(fn, launch)(q_lengths, kv_lengths)
-                 for fn, launch in ((forward, forward_launch),
-                                    (dq, dq_launch), (dkv, dkv_launch)))
+  def decide(q_lengths, kv_lengths, segments):
+    return tuple(
+        _over_grid(fn, launch)(q_lengths, kv_lengths, kernel_segments)
+        for fn, launch, kernel_segments in zip(
+            (forward, dq, dkv), (forward_launch, dq_launch, dkv_launch),
+            segments))
 
-  decisions = jax.device_get(decide(*case.lengths_arrays()))
+  decisions = jax.device_get(jax.jit(decide)(*case.lengths_arrays(),
+                                             segments))
   return decisions, kinds
 
 
@@ -459,6 +661,59 @@ def _load_stats(stats, batch: int, head: int, start: int, rows: int):
   return _load_rows(flat, index, rows)
 
 
+def _load_ids(test, ids, batch: int, start: int, rows: int):
+  """A 1-D copy of ids[batch, start:start + rows] ([B, L'] int32), as
+  `pipeline.load_ids` makes it: bounded by the whole array, not by its row.
+
+  Past L' it would read the next batch element's ids; those positions are
+  past the sequence, hence masked whatever their ids, but load_ids' contract
+  is that the host pads the ids to whole tiles so that no load leaves its
+  row (`segment_inputs`): the model checks it.
+  """
+  test.assertTrue(0 <= start and start + rows <= ids.shape[1],
+                  msg=f"segment ids load [{start}, {start + rows}) of batch "
+                      f"{batch} leaves its row of {ids.shape[1]}")
+  flat = ids.reshape(-1)
+  return _load_rows(flat, batch * ids.shape[1] + start, rows).astype(
+      np.int32)
+
+
+def _id_loads(test, segments, batch: int, own_start: int, own_rows: int,
+              streamed_starts, streamed_rows: int):
+  """The segment ids loads a consumer's tiles come with, as the kernels
+  issue them whether or not the tile is then computed: its row group's own
+  ids, and the ids of every tile the producer streams (`streamed_starts`).
+  Only their bounds matter here (`_load_ids`' check); the masks load the
+  same ids again where they need them."""
+  if segments is None:
+    return
+  _load_ids(test, segments.own_ids, batch, own_start, own_rows)
+  for start in streamed_starts:
+    _load_ids(test, segments.streamed_ids, batch, start, streamed_rows)
+
+
+def _reads_past_tables(decisions, segments) -> list[str]:
+  """The reads of the segment ranges tables ([B, 2, tiles]) outside them,
+  by any grid point and warpgroup of the three kernels (a GPU would read
+  other memory there)."""
+  found = []
+  for kernel, kernel_decisions, kernel_segments in zip(
+      ("forward", "dq", "dkv"), decisions, segments):
+    if kernel_segments is None:
+      continue
+    for name, table in (("block", kernel_segments.block_ranges),
+                        ("group", kernel_segments.group_ranges)):
+      reads = np.asarray(kernel_decisions[f"{name}_reads"]).reshape(-1, 3)
+      batch, part, tile = reads.T
+      inside = ((0 <= batch) & (batch < table.shape[0])
+                & ((part == 0) | (part == 1))
+                & (0 <= tile) & (tile < table.shape[2]))
+      found += [f"{kernel} reads its {name} ranges {table.shape} at "
+                f"{tuple(int(i) for i in read)}"
+                for read in np.unique(reads[~inside], axis=0)]
+  return found
+
+
 def _numpy(x):
   return np.asarray(x)
 
@@ -482,17 +737,35 @@ def _dlogits2(probs, dprobs_minus_delta, tanh):
   return ds if tanh is None else ds * (1.0 - tanh * tanh)
 
 
-def _key_tile_masks(mask: MaskSpec, block_q: int, block_kv: int):
-  """seen(q_start, kv_step, kv_len, offset): `key_tile_visible` of a row
-  group's key tile, as NumPy (memoized: heads and warpgroups share them)."""
+def _key_tile_masks(test, mask: MaskSpec, block_q: int, block_kv: int,
+                    segments):
+  """seen(batch, q_start, kv_step, kv_len, offset): `key_tile_visible` of a
+  row group's key tile, as NumPy (memoized: heads and warpgroups share
+  them). With segments (`segments`: the kernel's SegmentInputs), the ids
+  tiles the kernels pass: the rows' ids, loaded with the row group's Q at
+  q_start, broadcast along the columns; the key tile's, loaded with K at
+  kv_step * block_kv, along the rows."""
   rows = np.arange(block_q)[:, None]
   columns = np.arange(block_kv)[None, :]
+  shape = (block_q, block_kv)
 
   @functools.cache
-  def seen(q_start, kv_step, kv_len, offset):
+  def seen(batch, q_start, kv_step, kv_len, offset):
+    ids = ()
+    if segments is not None:
+      ids = (np.broadcast_to(_load_ids(test, segments.own_ids, batch,
+                                       q_start, block_q)[:, None], shape),
+             np.broadcast_to(_load_ids(test, segments.streamed_ids, batch,
+                                       kv_step * block_kv,
+                                       block_kv)[None, :], shape))
+    # The ids positionally, as the kernels pass them.
     return _numpy(pipeline.key_tile_visible(
-        mask, q_start + rows, columns, kv_step, block_kv, kv_len, offset))
+        mask, q_start + rows, columns, kv_step, block_kv, kv_len, offset,
+        *ids))
 
+  if segments is None:
+    # The same masks for every batch element.
+    return lambda batch, *args: seen(None, *args)
   return seen
 
 
@@ -518,7 +791,7 @@ def _computed_key_tiles(runs, kinds, k, v, block_kv: int):
 
 
 def _model_forward(test, case: Case, sizes, launch: Launch, decisions,
-                   kinds, q, k, v, sinks):
+                   kinds, segments, q, k, v, sinks):
   """(out [B, T, N, D], lse2 [B, N, T]) of the forward kernel's walk."""
   spec = case.spec
   mask = spec.mask
@@ -530,11 +803,14 @@ def _model_forward(test, case: Case, sizes, launch: Launch, decisions,
   out = np.full(launch.out_shapes[0], np.nan)
   lse = np.full(launch.out_shapes[1], np.nan)
   tile_rows = np.arange(block_q)
-  seen_of = _key_tile_masks(mask, block_q, block_kv)
+  seen_of = _key_tile_masks(test, mask, block_q, block_kv, segments)
   for point in _grid_points(launch):
     d = _at(decisions, point)
     b, h, kh, q_start = d["batch"], d["head"], d["kv_head"], d["q_start"]
     _check_walk(test, point, d["runs"], d["steps_lo"], d["steps_hi"])
+    _id_loads(test, segments, b, q_start, block_q,
+              range(d["steps_lo"] * block_kv, d["steps_hi"] * block_kv,
+                    block_kv), block_kv)
     q_tile = _load_rows(q[b, :, h], q_start, block_q)
     rows = q_start + tile_rows[:, None]
     acc = np.zeros((block_q, spec.head_dim))
@@ -546,7 +822,7 @@ def _model_forward(test, case: Case, sizes, launch: Launch, decisions,
         d["runs"], kinds, k[b, :, kh], v[b, :, kh], block_kv):
       logits, _ = _logits2(case, q_tile @ k_tile.T)
       if kind == "masked":
-        seen = seen_of(q_start, step, d["kv_len"], d["offset"])
+        seen = seen_of(b, q_start, step, d["kv_len"], d["offset"])
         logits = np.where(seen, logits, numerics.MASK_VALUE)
       new_max = np.maximum(row_max, logits.max(axis=1))
       probs = np.exp2(logits - new_max[:, None])
@@ -569,8 +845,8 @@ def _model_forward(test, case: Case, sizes, launch: Launch, decisions,
   return out[:, :spec.q_len], lse[..., :spec.q_len]
 
 
-def _model_dq(test, case: Case, sizes, launch: Launch, decisions, kinds, q,
-              k, v, dout, lse2, delta):
+def _model_dq(test, case: Case, sizes, launch: Launch, decisions, kinds,
+              segments, q, k, v, dout, lse2, delta):
   """dq [B, T, N, D] of the dQ kernel's walk."""
   spec = case.spec
   block_q, block_kv = sizes.block_q_dq, sizes.block_kv_dq
@@ -578,12 +854,15 @@ def _model_dq(test, case: Case, sizes, launch: Launch, decisions, kinds, q,
       case, launch, q, dout, k, v, lse2, delta)
   dq = np.full(launch.out_shapes[0], np.nan)
   tile_rows = np.arange(block_q)
-  seen_of = _key_tile_masks(spec.mask, block_q, block_kv)
+  seen_of = _key_tile_masks(test, spec.mask, block_q, block_kv, segments)
   for point in _grid_points(launch):
     d = _at(decisions, point)
     b, h, kh, q_start = d["batch"], d["head"], d["kv_head"], d["q_start"]
     chunk = _columns(spec, d["chunk"])
     _check_walk(test, point, d["runs"], d["steps_lo"], d["steps_hi"])
+    _id_loads(test, segments, b, q_start, block_q,
+              range(d["steps_lo"] * block_kv, d["steps_hi"] * block_kv,
+                    block_kv), block_kv)
     q_tile = _load_rows(q[b, :, h], q_start, block_q)
     do_tile = _load_rows(dout[b, :, h], q_start, block_q)
     row_ids = q_start + tile_rows
@@ -596,8 +875,8 @@ def _model_dq(test, case: Case, sizes, launch: Launch, decisions, kinds, q,
       logits, tanh = _logits2(case, q_tile @ k_tile.T)
       probs = np.exp2(logits - lse[:, None])
       if kind == "masked":
-        probs = np.where(seen_of(q_start, step, d["kv_len"], d["offset"]),
-                         probs, 0.0)
+        probs = np.where(
+            seen_of(b, q_start, step, d["kv_len"], d["offset"]), probs, 0.0)
       ds = _dlogits2(probs, do_tile @ v_tile.T - row_delta[:, None], tanh)
       acc += ds @ k_tile[:, chunk]
     _store_rows(dq[b, :, h, chunk], q_start, acc * spec.scale)
@@ -605,7 +884,7 @@ def _model_dq(test, case: Case, sizes, launch: Launch, decisions, kinds, q,
 
 
 def _model_dkv(test, case: Case, sizes, launch: Launch, decisions, kinds,
-               q, k, v, dout, lse2, delta):
+               segments, q, k, v, dout, lse2, delta):
   """(dk, dv) [B, S, K, D] of the dK/dV kernel's walk."""
   spec = case.spec
   block_q, block_kv = sizes.block_q_dkv, sizes.block_kv_dkv
@@ -614,18 +893,31 @@ def _model_dkv(test, case: Case, sizes, launch: Launch, decisions, kinds,
   dk = np.full(launch.out_shapes[0], np.nan)
   dv = np.full(launch.out_shapes[1], np.nan)
   query_offsets = np.arange(block_q)
+  shape = (block_kv, block_q)
 
   @functools.cache
-  def seen_of(q_start, k_start, kv_len, offset):
+  def seen_of(batch, ids_start, q_start, k_start, kv_len, offset):
+    """The transposed tile's mask (rows: keys); with segments, the query
+    ids loaded with Q in the ring at the producer's rows `ids_start`,
+    broadcast along the rows, and the row group's key ids, loaded with its
+    K at k_start, along the columns (positionally, as the kernel)."""
+    ids = ()
+    if segments is not None:
+      ids = (np.broadcast_to(_load_ids(test, segments.streamed_ids, batch,
+                                       ids_start, block_q)[None, :], shape),
+             np.broadcast_to(_load_ids(test, segments.own_ids, batch,
+                                       k_start, block_kv)[:, None], shape))
     return _numpy(pipeline.query_tile_visible(
         spec.mask, query_offsets[None, :], q_start,
-        k_start + np.arange(block_kv)[:, None], kv_len, offset))
+        k_start + np.arange(block_kv)[:, None], kv_len, offset, *ids))
 
   for point in _grid_points(launch):
     d = _at(decisions, point)
     b, kh, k_start = d["batch"], d["kv_head"], d["k_start"]
     chunk = _columns(spec, d["chunk"])
     loaded_heads, loaded_starts, loaded_slots = d["loads"]
+    _id_loads(test, segments, b, k_start, block_kv,
+              loaded_starts[:d["num_steps"]], block_q)
     k_tile = _load_rows(k[b, :, kh], k_start, block_kv)
     v_tile = _load_rows(v[b, :, kh], k_start, block_kv)
     dk_acc = np.zeros((block_kv, chunk.stop - chunk.start))
@@ -657,8 +949,12 @@ def _model_dkv(test, case: Case, sizes, launch: Launch, decisions, kinds,
           logits, tanh = _logits2(case, k_tile @ q_tile.T)
           probs = np.exp2(logits - lse[None, :])
           if kind == "masked":
-            probs = np.where(seen_of(q_start, k_start, d["kv_len"],
-                                     d["offset"]), probs, 0.0)
+            # Without segments the mask is the same for every batch
+            # element and load position.
+            ids_at = (b, rows_start) if segments is not None else (None,
+                                                                  None)
+            probs = np.where(seen_of(*ids_at, q_start, k_start,
+                                     d["kv_len"], d["offset"]), probs, 0.0)
           dv_acc += probs @ do_tile[:, chunk]
           row_delta = _load_stats(delta, b, head, rows_start, block_q)
           ds = _dlogits2(probs, v_tile @ do_tile.T - row_delta[None, :],
@@ -694,11 +990,16 @@ def _padded_backward_inputs(case: Case, launch: Launch, q, dout, k, v, lse2,
           stats(delta, 0.0))
 
 
-def run_model(test, case: Case, q, k, v, dout, sinks):
-  """(out, lse2, dq, dk, dv, dsinks) of the three kernels' walks."""
+def run_model(test, case: Case, q, k, v, dout, sinks,
+              reads_past_tables: list | None = None):
+  """(out, lse2, dq, dk, dv, dsinks) of the three kernels' walks.
+
+  reads_past_tables: a list to add the reads of segment ranges outside
+  their tables to (`_reads_past_tables`), or None: there must be none.
+  """
   sizes = case.block_sizes or mosaic_backend.configure(
       case.spec, {}).block_sizes
-  launches = _kernel_launches(case, sizes)
+  launches, segment_calls = _kernel_launches(case, sizes)
   forward_launch, dq_launch, dkv_launch = launches
   for launch in launches:
     test.assertEqual(launch.num_threads, COMPUTE_WARPGROUPS + 1)
@@ -706,15 +1007,35 @@ def run_model(test, case: Case, q, k, v, dout, sinks):
     for shape in launch.in_shapes:
       if len(shape) == 4:
         test.assertEqual(shape[1] % TMA_ROWS, 0, msg=f"{launch}")
-  decisions, kinds = _decisions(case, sizes, launches)
+  # The host code cuts the segment ranges as the model cuts the blocks.
+  for rows, kwargs in zip(_kernel_rows(case.spec, sizes), segment_calls):
+    test.assertEqual(kwargs, dict(
+        queries_own=rows.queries_own,
+        block_rows=rows.row_groups * rows.group_rows,
+        group_rows=rows.group_rows, streamed_rows=rows.streamed_rows))
+  segments = _host_segment_inputs(case, sizes)
+  decisions, kinds = _decisions(case, sizes, launches, segments)
+  for launch, kernel_segments in zip(launches, segments):
+    if kernel_segments is not None:
+      # The model's segment inputs are the launch's (same block sizes).
+      shapes = tuple(x.shape for x in kernel_segments)
+      test.assertIn(shapes, [launch.in_shapes[i:i + len(shapes)]
+                             for i in range(len(launch.in_shapes))],
+                    msg=f"{launch}")
+  past = _reads_past_tables(decisions, segments)
+  if reads_past_tables is None:
+    test.assertEmpty(past)
+  else:
+    reads_past_tables += past
   out, lse2 = _model_forward(test, case, sizes, forward_launch,
-                             decisions[0], kinds["forward"], q, k, v, sinks)
+                             decisions[0], kinds["forward"], segments[0], q,
+                             k, v, sinks)
   # The backend's delta: rowsum(dO * O), [B, N, T].
   delta = np.einsum("btnd,btnd->bnt", dout, out)
-  dq = _model_dq(test, case, sizes, dq_launch, decisions[1], kinds["dq"], q,
-                 k, v, dout, lse2, delta)
+  dq = _model_dq(test, case, sizes, dq_launch, decisions[1], kinds["dq"],
+                 segments[1], q, k, v, dout, lse2, delta)
   dk, dv = _model_dkv(test, case, sizes, dkv_launch, decisions[2],
-                      kinds["dkv"], q, k, v, dout, lse2, delta)
+                      kinds["dkv"], segments[2], q, k, v, dout, lse2, delta)
   dsinks = None
   if sinks is not None:
     dsinks = np.asarray(jax.jit(modifiers.sinks_gradient)(
@@ -743,25 +1064,32 @@ class MosaicMaskingTest(parameterized.TestCase):
   @parameterized.named_parameters(*CASES)
   def test_model_matches_reference(self, case):
     inputs = _inputs(case, seed=0)
-    assert_close(self, run_model(self, case, *inputs),
+    past = []
+    assert_close(self, run_model(self, case, *inputs, past),
                  _reference(case, *inputs))
+    name = {c: n for n, c in CASES}[case]
+    if name in READS_PAST_TABLES:
+      self.assertNotEmpty(past, msg=f"{name} no longer reads past its "
+                                    "segment ranges: remove it from "
+                                    "READS_PAST_TABLES")
+    else:
+      self.assertEmpty(past)
 
-  def test_reference_matches_jax_nn(self):
-    # With the options jax.nn has: causal top-left, a window, lengths
-    # (batch 1: rows 22-39 see no key), GQA.
-    case = _case(2, 40, 57, 4, 2, 64, is_causal=True, window=(9, 0),
-                 lengths=((40, 40), (57, 13)))
+  def assert_reference_matches_jax_nn(self, case: Case, **options):
+    """The reference against jax.nn.dot_product_attention(**options), on
+    the rows that see a key."""
     q, k, v, dout, _ = _inputs(case, seed=1)
     # jax.nn gives rows without keys the mean of the values (jflash and the
     # reference: 0): compare the rows that see a key, with no cotangent on
     # the others.
     seen = np.swapaxes(_visible(case).any(-1), 1, 2)[..., None]
+    self.assertTrue(seen.any() and not seen.all())
     dout = np.where(seen, dout, 0.0)
     attention = functools.partial(
-        jax.nn.dot_product_attention, is_causal=True,
-        local_window_size=(9, 0),
+        jax.nn.dot_product_attention,
         query_seq_lengths=jnp.asarray(case.lengths[0], jnp.int32),
-        key_value_seq_lengths=jnp.asarray(case.lengths[1], jnp.int32))
+        key_value_seq_lengths=jnp.asarray(case.lengths[1], jnp.int32),
+        **options)
 
     @jax.jit
     def value_and_grads(q, k, v, dout):
@@ -778,6 +1106,29 @@ class MosaicMaskingTest(parameterized.TestCase):
       chex.assert_trees_all_close(
           np.asarray(x, np.float64), ref, rtol=0.0,
           atol=TOLERANCE * max(1.0, np.abs(ref).max()), custom_message=name)
+
+  def test_reference_matches_jax_nn(self):
+    # With the options jax.nn has: causal top-left, a window, lengths
+    # (batch 1: rows 22-39 see no key), GQA.
+    case = _case(2, 40, 57, 4, 2, 64, is_causal=True, window=(9, 0),
+                 lengths=((40, 40), (57, 13)))
+    self.assert_reference_matches_jax_nn(case, is_causal=True,
+                                         local_window_size=(9, 0))
+
+  def test_reference_matches_jax_nn_segments(self):
+    # Segments as jax.nn's dense mask, with causal top-left, lengths and
+    # GQA: batch 0's query segment 2 and batch 1's 5 have no key, batch 1's
+    # rows 0-9 (segment 3) none before them.
+    case = _case(2, 40, 57, 4, 2, 64, is_causal=True,
+                 lengths=((40, 34), (57, 50)),
+                 segments=((_ids((0, 15), (1, 17), (2, 8)),
+                            _ids((3, 10), (4, 20), (5, 10))),
+                           (_ids((1, 10), (0, 20), (1, 27)),
+                            _ids((4, 25), (3, 32)))))
+    q_ids, kv_ids = (np.asarray(x) for x in case.segments)
+    self.assert_reference_matches_jax_nn(
+        case, is_causal=True,
+        mask=jnp.asarray(q_ids[:, None, :, None] == kv_ids[:, None, None, :]))
 
 
 def _full_runs(consumer_runs):
@@ -803,8 +1154,9 @@ def _short_union(query_block):
 
 def _unshifted_columns(key_tile_visible):
   """key_tile_visible, with the tile's columns not shifted to the tile."""
-  return lambda mask, rows, columns, kv_step, block_kv, kv_len, offset: (
-      key_tile_visible(mask, rows, columns, 0, block_kv, kv_len, offset))
+  return lambda mask, rows, columns, kv_step, block_kv, kv_len, offset, *ids: (
+      key_tile_visible(mask, rows, columns, 0, block_kv, kv_len, offset,
+                       *ids))
 
 
 def _next_slot(group_slot):
@@ -830,6 +1182,30 @@ def _same_rows(row_group_start):
       block_start, 0 * row_group, rows)
 
 
+def _shifted_ranges(segment_range):
+  """segment_range, its (first, stop) one tile further (the table read at
+  the wrong offset)."""
+
+  def broken(ranges_ref, batch):
+    read = segment_range(ranges_ref, batch)
+    return None if read is None else (
+        lambda tile: tuple(x + 1 for x in read(tile)))
+
+  return broken
+
+
+def _ids_not_compared(positions: int):
+  """A breaker of key_tile_visible / query_tile_visible (`positions`
+  arguments before the ids tiles) that drops the ids: no segment mask."""
+  return lambda visible: lambda *args: visible(*args[:positions])
+
+
+# Helpers of the kernels' host code, whose results `_kernel_launches` and
+# `_host_segment_inputs` cache: a break of one (none below, for time: each
+# costs the launches' tracing again) must compute them again.
+_HOST_HELPERS = frozenset({"segment_inputs", "_pad_ids"})
+
+
 class ModelSensitivityTest(parameterized.TestCase):
   """The model fails when a decision the kernels take is broken."""
 
@@ -845,15 +1221,26 @@ class ModelSensitivityTest(parameterized.TestCase):
        "causal_gqa_soft_cap"),
       ("row_group_rows", "row_group_start", _same_rows,
        "no_mask_lengths_soft_cap"),
+      ("segment_ranges_shifted", "segment_range", _shifted_ranges,
+       "packed_causal_gqa"),
+      # Only dK and dV see this one (transposed tiles).
+      ("query_tile_ids_dropped", "query_tile_visible", _ids_not_compared(6),
+       "cross_unsorted_lengths_gqa_soft_cap"),
   )
   def test_model_fails(self, helper, breaker, case_name):
     case = dict(CASES)[case_name]
     inputs = _inputs(case, seed=0)
     reference = _reference(case, *inputs)
     broken = breaker(getattr(pipeline, helper))
+    if helper in _HOST_HELPERS:
+      for cached in (_kernel_launches, _host_segment_inputs):
+        cached.cache_clear()
+        self.addCleanup(cached.cache_clear)
     with mock.patch.object(pipeline, helper, broken):
       with self.assertRaises(AssertionError):
-        assert_close(self, run_model(self, case, *inputs), reference)
+        # Reads past the segment ranges (READS_PAST_TABLES) are no failure
+        # here: the break must show in the results or the walk.
+        assert_close(self, run_model(self, case, *inputs, []), reference)
 
 
 if __name__ == "__main__":
