@@ -19,7 +19,11 @@ The model takes every decision from the code the kernels run:
   `key_block`, `row_group_start`, `key_tiles`, `query_tiles`,
   `consumer_runs`, `kv_head_of`; with segments, the ranges tables read
   through `segment_range`), evaluated under named axes ("q_tiles",
-  "heads", "batch", "wg") as in the kernels;
+  "heads", "batch", "wg") as in the kernels; for the persistent forward
+  (grid axis "programs", with MODEL_SM_COUNT programs so that each works
+  through several items), per program and block of it, the block's
+  position from `pipeline.PersistentGrid.position` (every tile computed
+  exactly once, none outside the arrays);
 - per tile, the element-wise mask (`pipeline.key_tile_visible`,
   `query_tile_visible`, with segments given the rows' and columns' ids as
   the kernels load them), the lse of rows past q_len (`valid_lse`), and in
@@ -35,8 +39,8 @@ it are dropped, outputs start as NaN (uninitialized memory); 1-D segment
 id loads must stay in their row, as the host pads the ids for. It also
 checks the pipelines' protocol: each consumer walks exactly the producer's
 steps, and in the dK/dV ring reads each step from the producer's slot; and
-it lists reads of the segment ranges tables outside them (a GPU reads other
-memory there; the model reads the widest range). Wrong run bounds, kinds,
+it fails on reads of the segment ranges tables outside them (a GPU reads
+other memory there; the model reads the widest range). Wrong run bounds, kinds,
 row offsets, ring slots or segment ranges make the results differ from the
 reference (`ModelSensitivityTest` breaks a few on purpose).
 
@@ -49,6 +53,7 @@ query_block, row-group ranges to key_tiles): the GPU suite checks it
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -247,24 +252,6 @@ CASES = (
                       _ids((4, 150), (5, 110)))))),
 )
 
-
-# Cases whose kernels read their segment ranges table past its end (a known
-# bug, see `test_model_matches_reference`): pipeline.segment_inputs sizes
-# `group_ranges` by the unpadded sequence, cdiv(T, group_rows) tiles (dK/dV:
-# S), but the grid has cdiv(T, block_rows) * block_rows / group_rows row
-# groups, and every row group reads its entry (key_tiles / query_tiles),
-# also one entirely past T: with an odd number of row-group tiles the last
-# row group reads one entry past the table. Its rows are past the sequence
-# and its runs are clipped to the producer's, so the results stay right
-# (the model reads the widest range there), but a GPU reads memory past the
-# table's end. When segment_inputs sizes the table by the grid, these cases
-# fail until removed from here.
-READS_PAST_TABLES = frozenset({
-    # T = S = 300: 5 row-group tiles, 6 row groups (each kernel).
-    "packed_causal_gqa",
-    # T = 150: 3 row-group tiles, 4 row groups (forward).
-    "d256_segments_bottom_right_window_sinks_lengths",
-})
 
 
 def _inputs(case: Case, seed: int):
@@ -549,12 +536,12 @@ def _decisions(case: Case, sizes: MosaicBlockSizes, launches, segments):
     (forward, dQ): num_row_groups groups of block_q rows, each split into
     num_chunks column chunks, one per compute warpgroup."""
 
-    def decide(q_lengths, kv_lengths, segments):
+    def decide(q_lengths, kv_lengths, segments, position=None):
       block_ranges, group_ranges = recorded(segments)
       block = pipeline.query_block(
           mask, q_lengths, kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
           block_rows=num_row_groups * block_q, block_kv=block_kv,
-          ranges_ref=block_ranges)
+          ranges_ref=block_ranges, position=position)
       row_group, chunk = _roles(block.warpgroup, num_chunks)
       q_start = pipeline.row_group_start(block.start, row_group, block_q)
       own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv,
@@ -573,6 +560,9 @@ def _decisions(case: Case, sizes: MosaicBlockSizes, launches, segments):
                            forward_rows.row_groups, 1)
   dq = over_key_tiles("dq", dq_rows.group_rows, dq_rows.streamed_rows,
                       dq_rows.row_groups, chunks)
+  persistent = _persistent_grid(case, sizes, forward_launch)
+  if persistent is not None:
+    forward = _over_persistent_blocks(forward, persistent)
 
   num_q_tiles = -(-q_seq // sizes.block_q_dkv)
 
@@ -618,6 +608,62 @@ def _decisions(case: Case, sizes: MosaicBlockSizes, launches, segments):
   decisions = jax.device_get(jax.jit(decide)(*case.lengths_arrays(),
                                              segments))
   return decisions, kinds
+
+
+def _persistent_grid(case: Case, sizes: MosaicBlockSizes, launch: Launch):
+  """The forward's `pipeline.PersistentGrid` as `forward_call` builds it,
+  or None for a launch of one block per tile; checked against the launch."""
+  spec = case.spec
+  if launch.grid_names != ("programs",):
+    return None
+  num_tiles = -(-spec.q_len // (COMPUTE_WARPGROUPS * sizes.block_q))
+  persistent = pipeline.PersistentGrid.over(
+      num_tiles, spec.num_heads, spec.batch, pairs=spec.mask.is_causal)
+  if (persistent.programs,) != launch.grid:
+    raise AssertionError(f"{persistent} does not match the launch {launch}")
+  return persistent
+
+
+def _over_persistent_blocks(decide, persistent: pipeline.PersistentGrid):
+  """decide(...) of each block a program of a persistent launch computes,
+  in its order, stacked [blocks] with a "valid" flag (blocks past the
+  program's, and the second block of a middle tile's pair, are not
+  computed)."""
+  max_blocks = (-(-persistent.items // persistent.programs)
+                * persistent.blocks_per_item)
+
+  def over_blocks(q_lengths, kv_lengths, segments):
+    def one(j):
+      position, valid = persistent.position(j)
+      decided = decide(q_lengths, kv_lengths, segments, position=position)
+      return dict(decided, valid=jnp.asarray(
+          jnp.logical_and(valid, j < persistent.num_blocks()), jnp.int32))
+
+    return jax.vmap(one)(jnp.arange(max_blocks, dtype=jnp.int32))
+
+  return over_blocks
+
+
+def _block_points(test, launch: Launch, decisions):
+  """The indices of the blocks a kernel computes in `decisions`: (grid
+  point, warpgroup), or for a persistent launch (program, warpgroup,
+  block) of its valid blocks, which must lie in the arrays and cover every
+  (batch, head, row group) once."""
+  if launch.grid_names != ("programs",):
+    return list(_grid_points(launch))
+  valid = np.asarray(decisions["valid"])
+  points = [p for p in np.ndindex(*valid.shape) if valid[p]]
+  batch, _, num_heads, _ = launch.in_shapes[0]
+  rows = collections.Counter(
+      tuple(int(np.asarray(decisions[key])[p])
+            for key in ("batch", "head", "q_start")) for p in points)
+  outside = [r for r in rows if not (0 <= r[0] < batch
+                                     and 0 <= r[1] < num_heads)]
+  test.assertEmpty(outside, msg="persistent blocks outside the arrays")
+  repeated = {r: n for r, n in rows.items() if n > 1}
+  test.assertEmpty(repeated, msg="persistent programs compute these (batch, "
+                                 "head, first row) blocks more than once")
+  return points
 
 
 def _at(decisions, index):
@@ -804,7 +850,7 @@ def _model_forward(test, case: Case, sizes, launch: Launch, decisions,
   lse = np.full(launch.out_shapes[1], np.nan)
   tile_rows = np.arange(block_q)
   seen_of = _key_tile_masks(test, mask, block_q, block_kv, segments)
-  for point in _grid_points(launch):
+  for point in _block_points(test, launch, decisions):
     d = _at(decisions, point)
     b, h, kh, q_start = d["batch"], d["head"], d["kv_head"], d["q_start"]
     _check_walk(test, point, d["runs"], d["steps_lo"], d["steps_hi"])
@@ -990,6 +1036,12 @@ def _padded_backward_inputs(case: Case, launch: Launch, q, dout, k, v, lse2,
           stats(delta, 0.0))
 
 
+# SMs the model's persistent forward launches see (an H100 has 132): few,
+# so that programs compute several items, and pairs whose second block is
+# not computed.
+MODEL_SM_COUNT = 3
+
+
 def run_model(test, case: Case, q, k, v, dout, sinks,
               reads_past_tables: list | None = None):
   """(out, lse2, dq, dk, dv, dsinks) of the three kernels' walks.
@@ -997,6 +1049,12 @@ def run_model(test, case: Case, q, k, v, dout, sinks,
   reads_past_tables: a list to add the reads of segment ranges outside
   their tables to (`_reads_past_tables`), or None: there must be none.
   """
+  with mock.patch.object(pipeline, "sm_count", lambda: MODEL_SM_COUNT):
+    return _run_model(test, case, q, k, v, dout, sinks, reads_past_tables)
+
+
+def _run_model(test, case: Case, q, k, v, dout, sinks, reads_past_tables):
+  """run_model's work, under its patch."""
   sizes = case.block_sizes or mosaic_backend.configure(
       case.spec, {}).block_sizes
   launches, segment_calls = _kernel_launches(case, sizes)
@@ -1064,16 +1122,8 @@ class MosaicMaskingTest(parameterized.TestCase):
   @parameterized.named_parameters(*CASES)
   def test_model_matches_reference(self, case):
     inputs = _inputs(case, seed=0)
-    past = []
-    assert_close(self, run_model(self, case, *inputs, past),
+    assert_close(self, run_model(self, case, *inputs),
                  _reference(case, *inputs))
-    name = {c: n for n, c in CASES}[case]
-    if name in READS_PAST_TABLES:
-      self.assertNotEmpty(past, msg=f"{name} no longer reads past its "
-                                    "segment ranges: remove it from "
-                                    "READS_PAST_TABLES")
-    else:
-      self.assertEmpty(past)
 
   def assert_reference_matches_jax_nn(self, case: Case, **options):
     """The reference against jax.nn.dot_product_attention(**options), on
@@ -1238,9 +1288,31 @@ class ModelSensitivityTest(parameterized.TestCase):
         self.addCleanup(cached.cache_clear)
     with mock.patch.object(pipeline, helper, broken):
       with self.assertRaises(AssertionError):
-        # Reads past the segment ranges (READS_PAST_TABLES) are no failure
-        # here: the break must show in the results or the walk.
+        # Reads past the segment ranges are no failure here: the break must
+        # show in the results or the walk.
         assert_close(self, run_model(self, case, *inputs, []), reference)
+
+  @parameterized.named_parameters(
+      # A causal pair's second block on the first tile again: a repeated
+      # block and a missing one.
+      ("pair_repeats_its_tile", "causal_t_gt_s_other_tiles",
+       lambda position, grid, j: position(grid._replace(pairs=False),
+                                          lax.div(j, jnp.int32(2)))),
+      # Items handed out in the wrong stride: blocks missing.
+      ("items_strided_wrong", "no_mask_static_runs_gqa_sinks",
+       lambda position, grid, j: position(
+           grid._replace(programs=grid.programs + 1), j)),
+  )
+  def test_model_fails_persistent(self, case_name, breaker):
+    # The persistent forward's (program, block) -> position mapping.
+    case = dict(CASES)[case_name]
+    inputs = _inputs(case, seed=0)
+    reference = _reference(case, *inputs)
+    original = pipeline.PersistentGrid.position
+    broken = lambda grid, j: breaker(original, grid, j)
+    with mock.patch.object(pipeline.PersistentGrid, "position", broken):
+      with self.assertRaises(AssertionError):
+        assert_close(self, run_model(self, case, *inputs), reference)
 
 
 if __name__ == "__main__":

@@ -542,14 +542,18 @@ def segment_inputs(segments: SegmentIds, *, queries_own: bool,
   if not queries_own:
     own, other = other, own
 
+  # Tables over the padded own axis: every block and row group of the grid
+  # reads its entry, also one wholly past the sequence (padding is past the
+  # lengths, so it meets no tile).
+  own_ids = _pad_ids(own[0], block_rows)
+
   def ranges(rows):
-    first, stop = masks.segment_tile_ranges(*own, rows, *other,
+    first, stop = masks.segment_tile_ranges(own_ids, own[1], rows, *other,
                                             streamed_rows)
     return jnp.stack([first, stop], axis=1)
 
   return SegmentInputs(
-      own_ids=_pad_ids(own[0], block_rows),
-      streamed_ids=_pad_ids(other[0], streamed_rows),
+      own_ids=own_ids, streamed_ids=_pad_ids(other[0], streamed_rows),
       block_ranges=ranges(block_rows), group_ranges=ranges(group_rows))
 
 
