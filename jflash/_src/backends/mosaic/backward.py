@@ -187,13 +187,9 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     row_segments = (None if q_ids is None
                     else pipeline.ids_vector(q_ids[1].at[row_group], 0))
 
-    def segment_tiles(slot):
-      """(q_ids, kv_ids) tiles of key tile `slot`, or () without segments."""
-      if row_segments is None:
-        return ()
-      return (pipeline.ids_tile(row_segments, tile_shape, 0),
-              pipeline.ids_tile(
-                  pipeline.ids_vector(kv_ids[1].at[slot], 1), tile_shape, 1))
+    segment_tiles = functools.partial(
+        pipeline.key_tile_segment_ids, row_segments,
+        None if kv_ids is None else kv_ids[1], tile_shape=tile_shape)
 
     def step(kv_step, dq, *, kind: str):
       slot = slot_of(kv_step)

@@ -156,8 +156,8 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     if q_ids is not None:
       pipeline.load_ids(q_ids, batch, q_start, block_q, wg, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
-    row_ids = (None if q_ids is None
-               else pipeline.ids_vector(q_ids[1].at[wg], 0))
+    row_segments = (None if q_ids is None
+                    else pipeline.ids_vector(q_ids[1].at[wg], 0))
 
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -167,13 +167,9 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     columns = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
                                      layout=wgmma_layout)
 
-    def segment_tiles(slot):
-      """(q_ids, kv_ids) tiles of key tile `slot`, or () without segments."""
-      if row_ids is None:
-        return ()
-      return (pipeline.ids_tile(row_ids, tile_shape, 0),
-              pipeline.ids_tile(
-                  pipeline.ids_vector(kv_ids[1].at[slot], 1), tile_shape, 1))
+    segment_tiles = functools.partial(
+        pipeline.key_tile_segment_ids, row_segments,
+        None if kv_ids is None else kv_ids[1], tile_shape=tile_shape)
 
     def step(kv_step, carry, *, kind: str):
       acc, row_max, row_sum = carry

@@ -614,6 +614,17 @@ def tile_grid(num_tiles: int, num_heads: int, batch: int, *, tile_axis: str,
               grid_names=("batch", "heads", tile_axis))
 
 
+def key_tile_segment_ids(row_segments, ring, slot, tile_shape) -> tuple:
+  """With segments, the (q_ids, kv_ids) tiles of the key tile in ring slot
+  `slot` (forward and dQ): `row_segments` the rows' ids (`ids_vector(...,
+  0)`), `ring` the key tiles' ids in shared memory; () without segments
+  (row_segments None)."""
+  if row_segments is None:
+    return ()
+  return (ids_tile(row_segments, tile_shape, 0),
+          ids_tile(ids_vector(ring.at[slot], 1), tile_shape, 1))
+
+
 def launch(kernel, scratch, *, out_type, grid, grid_names, num_threads: int,
            args):
   """Runs kernel(*in_refs, *out_refs, scratch) over `grid`, with
