@@ -18,6 +18,9 @@ writes the whole jaxpr instead.
   PYTHONPATH=. python3 benchmarks/dump_kernel_jaxprs.py /tmp/after.txt
   cmp /tmp/before.txt /tmp/after.txt
 
+`--decode` writes the split-K decode kernel's (decode_attention, dense and
+paged, and flash_attention's "decode" backend) instead.
+
 `--mosaic` writes the Mosaic GPU kernels' instead: the jaxprs of the
 backend's forward and backward functions (the kernel bodies included;
 traced on CPU, nothing lowered), for head dims 64/128/256 under three
@@ -140,10 +143,63 @@ def _mosaic_texts():
   return texts
 
 
-def main(path: str, full: bool, mosaic: bool = False) -> None:
-  if mosaic:
+def _decode_texts():
+  """The decode kernel's pallas_calls, per configuration (interpreted)."""
+  texts = []
+  # (batch, tokens, heads, kv_heads, head_dim, dtype, page_size)
+  shapes = ((2, 1, 8, 2, 128, "bfloat16", None),
+            (2, 4, 4, 4, 80, "float32", None),
+            (2, 3, 8, 1, 256, "bfloat16", 64),
+            (2, 2, 4, 2, 64, "float16", 16))
+  options = {
+      "plain": dict(),
+      "not_causal": dict(is_causal=False),
+      "window": dict(local_window_size=(40, 3)),
+      "soft_cap_sinks_alibi": dict(logits_soft_cap=20.0,
+                                   sinks=jnp.ones((8,)),
+                                   alibi_slopes=jnp.ones((8,))),
+      "splits": dict(num_splits=3),
+  }
+  kv_seq = 256
+  for shape, (label, kwargs) in itertools.product(shapes, options.items()):
+    batch, tokens, heads, kv_heads, head_dim, dtype, page_size = shape
+    kwargs = dict(kwargs)
+    for name in ("sinks", "alibi_slopes"):
+      if name in kwargs:
+        kwargs[name] = kwargs[name][:heads]
+    q = jnp.ones((batch, tokens, heads, head_dim), dtype)
+    k = jnp.ones((batch, kv_seq, kv_heads, head_dim), dtype)
+    lengths = jnp.array([kv_seq, 77], jnp.int32)
+    if page_size is not None:
+      pages = kv_seq // page_size
+      k = jnp.ones((batch * pages, page_size, kv_heads, head_dim), dtype)
+      kwargs["block_table"] = jnp.arange(batch * pages).reshape(batch, pages)
+    run = lambda q, k, v, kwargs=kwargs: jflash.decode_attention(
+        q, k, v, lengths, interpret=True, implementation="triton", **kwargs)
+    jaxpr = jax.make_jaxpr(run)(q, k, k)
+    body = "\n\n".join(_describe(e) for e in test_util.equations(
+        jaxpr.jaxpr, "pallas_call"))
+    texts.append(f"== decode_attention {label} {shape}\n{body}")
+    if page_size is None and label in ("plain", "window"):
+      # flash_attention's decode backend (flash_attention's positions).
+      fa_kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ != "num_splits"}
+      fa_kwargs.pop("is_causal", None)
+      run = lambda q, k, v, kwargs=fa_kwargs: jflash.flash_attention(
+          q, k, v, is_causal=True, causal_alignment="bottom_right",
+          key_value_seq_lengths=lengths, implementation="decode",
+          interpret=True, **kwargs)
+      jaxpr = jax.make_jaxpr(run)(q, k, k)
+      body = "\n\n".join(_describe(e) for e in test_util.equations(
+          jaxpr.jaxpr, "pallas_call"))
+      texts.append(f"== flash_attention decode {label} {shape}\n{body}")
+  return texts
+
+
+def main(path: str, full: bool, mosaic: bool = False,
+         decode: bool = False) -> None:
+  if mosaic or decode:
     with open(path, "w") as f:
-      f.write("\n\n".join(_mosaic_texts()))
+      f.write("\n\n".join(_mosaic_texts() if mosaic else _decode_texts()))
     return
   texts = []
   for label, shape, is_causal, kwargs in _options():
@@ -173,5 +229,7 @@ if __name__ == "__main__":
                       help="the whole jaxpr, not only the kernels")
   parser.add_argument("--mosaic", action="store_true",
                       help="the Mosaic GPU kernels' jaxprs instead")
+  parser.add_argument("--decode", action="store_true",
+                      help="the split-K decode kernel's jaxprs instead")
   args = parser.parse_args()
-  main(args.path, args.full, args.mosaic)
+  main(args.path, args.full, args.mosaic, args.decode)
