@@ -11,6 +11,7 @@ import numpy as np
 
 import jflash
 from jflash._src import decode
+from jflash._src.backends.triton import decode as triton_decode
 from tests import test_util
 from tests import tolerances
 
@@ -233,6 +234,24 @@ class DecodeTest(parameterized.TestCase):
     ours = jflash.decode_attention(q, k, v, lengths, implementation="triton",
                                    interpret=test_util.INTERPRET)
     np.testing.assert_allclose(ours, expected, atol=2e-5, rtol=2e-5)
+
+  def test_rows_split_over_several_launches(self):
+    # More packed rows (tokens x GQA group) than one launch takes: the rows
+    # go to launches of MAX_ROWS_PER_LAUNCH rows (16 here, so the small
+    # test shapes cross launches), each with its row offset; ALiBi slopes
+    # and windows depend on the row's token, so an offset error shows.
+    self.enter_context(mock.patch.object(
+        triton_decode, "MAX_ROWS_PER_LAUNCH", 16))
+    q, k, v = _inputs(11, num_tokens=5, num_heads=8, num_kv_heads=2)
+    lengths = jnp.array([96, 40, 3], jnp.int32)
+    with mock.patch.object(triton_decode, "decode_call",
+                           wraps=triton_decode.decode_call) as calls:
+      self._check(IMPLEMENTATIONS[0][1], q, k, v, lengths,
+                  alibi_slopes=jnp.linspace(0.05, 0.4, 8),
+                  local_window_size=(30, 0), sinks=jnp.linspace(-1, 1, 8))
+    # 5 tokens x 4 heads = 20 rows, padded to 32: two launches of 16.
+    self.assertEqual([c.kwargs["row_offset"] for c in calls.call_args_list],
+                     [0, 16])
 
   def test_split_count_heuristic(self):
     # No split once B x K programs fill the GPU; else enough to fill it,

@@ -31,22 +31,10 @@ PROGRAMS_PER_SM = 2
 IMPLEMENTATIONS = ("triton", "xla")
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeLaunch:
-  """The decode kernel's launch configuration.
-
-  Attributes:
-    block_k: key rows per tile (with pages smaller than a tile, a tile
-      gathers its rows from several pages).
-    num_warps, num_stages: Triton's warps per program and pipeline depth.
-  """
-
-  block_k: int = 64
-  num_warps: int = 4
-  num_stages: int = 4
-
-
-# Read when a call is traced (benchmarks/decode.py --sweep patches it).
+DecodeLaunch = triton_decode.DecodeLaunch
+# The preferred launch, read when a call is traced (benchmarks/decode.py
+# --sweep patches it); calls it does not fit take a fallback
+# (`triton_decode.plan_launch`).
 DEFAULT_LAUNCH = DecodeLaunch()
 
 
@@ -222,23 +210,41 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
   batch, num_tokens, num_heads, _ = query.shape
   num_kv_heads = key.shape[2]
   group = num_heads // num_kv_heads
-  launch = DEFAULT_LAUNCH
   # Triton tiles: a power of two, at least 16 rows.
-  rows_padded = max(16, 1 << (num_tokens * group - 1).bit_length())
+  rows_padded = max(triton_decode.MIN_ROWS,
+                    1 << (num_tokens * group - 1).bit_length())
+  plan = triton_decode.plan_launch(
+      rows_padded, head_dim=query.shape[-1],
+      itemsize=jnp.dtype(query.dtype).itemsize,
+      device_kind=platform.device_kind(), preferred=DEFAULT_LAUNCH)
   per_row = lambda x: None if x is None else _pack(
       jnp.broadcast_to(x[:, None, :], (batch, num_tokens, num_heads)),
       num_kv_heads, rows_padded)
   # One split and no sink: the kernel's output is final (written in the
   # query dtype) and the combine is skipped.
   final = num_splits == 1 and sinks is None
-  out_parts, lse2_parts = triton_decode.decode_call(
-      _pack(query, num_kv_heads, rows_padded), key, value, lengths,
-      per_row(slopes), block_table, q_lengths, mask=mask, scale=scale,
-      soft_cap=soft_cap, num_tokens=num_tokens, group=group,
-      num_splits=num_splits, block_k=launch.block_k,
-      num_warps=launch.num_warps, num_stages=launch.num_stages,
-      out_dtype=query.dtype if final else jnp.float32, interpret=interpret,
-      positions_from_end=positions_from_end)
+  q_packed, slopes_packed = _pack(query, num_kv_heads, rows_padded), per_row(
+      slopes)
+  # The packed rows in launches of plan.rows rows (one launch if it fits).
+  rows_of = lambda x, start: None if x is None else (
+      x if plan.rows == rows_padded else x[:, :, start:start + plan.rows])
+  parts = [
+      triton_decode.decode_call(
+          rows_of(q_packed, start), key, value, lengths,
+          rows_of(slopes_packed, start), block_table, q_lengths, mask=mask,
+          scale=scale, soft_cap=soft_cap, num_tokens=num_tokens, group=group,
+          num_splits=num_splits, block_k=plan.launch.block_k,
+          num_warps=plan.launch.num_warps,
+          num_stages=plan.launch.num_stages,
+          out_dtype=query.dtype if final else jnp.float32,
+          interpret=interpret, positions_from_end=positions_from_end,
+          row_offset=start)
+      for start in range(0, rows_padded, plan.rows)]
+  if len(parts) == 1:
+    out_parts, lse2_parts = parts[0]
+  else:  # Rows are axis 3 of [P, B, K, M, ...].
+    out_parts, lse2_parts = (jnp.concatenate(x, axis=3)
+                             for x in zip(*parts))
   if final:
     out, lse2 = out_parts[0], lse2_parts[0]
   else:

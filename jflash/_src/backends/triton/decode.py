@@ -22,6 +22,7 @@ of `masks.key_blocks` are read (a window reads its band).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from jax import lax
@@ -32,8 +33,82 @@ import jax.numpy as jnp
 from jflash._src import masks
 from jflash._src import numerics
 from jflash._src import sharding
+from jflash._src.backends.triton import block_sizes
 from jflash._src.backends.triton import tiles
 from jflash._src.spec import MaskSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+  """The decode kernel's launch configuration.
+
+  Attributes:
+    block_k: key rows per tile (with pages smaller than a tile, a tile
+      gathers its rows from several pages).
+    num_warps, num_stages: Triton's warps per program and pipeline depth.
+  """
+
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 4
+
+
+# Fallbacks, in order, for launches the preferred one does not fit (many
+# query rows per kv head at a large head dim, float32, or a GPU with less
+# shared memory): fewer stages first, then narrower key tiles.
+FALLBACK_LAUNCHES = (
+    DecodeLaunch(64, 4, 3), DecodeLaunch(64, 4, 2), DecodeLaunch(32, 4, 4),
+    DecodeLaunch(32, 4, 2), DecodeLaunch(16, 4, 2), DecodeLaunch(16, 4, 1))
+# The most query rows one launch takes (a power of two); more are split
+# into launches of this many rows (each reads the cache again).
+MAX_ROWS_PER_LAUNCH = 128
+MIN_ROWS = 16  # Triton's matrix instructions need tiles of >= 16 rows.
+
+
+def shared_memory(launch: DecodeLaunch, *, rows: int, head_dim: int,
+                  itemsize: int) -> int:
+  """Shared memory of one program: its query tile plus `num_stages`
+  buffered key and value tiles (Triton's software pipeline), in bytes.
+
+  Calibrated on an H100 against the bytes Triton requests at launch (the
+  RESOURCE_EXHAUSTED message): exact for bf16 rows=128, D=256, 64-key
+  tiles, 4 stages (327680); see tests/launch_limits_test.py.
+  """
+  return itemsize * tiles.head_dim_padded(head_dim) * (
+      rows + 2 * launch.num_stages * launch.block_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+  """How one decode call is launched: `rows` query rows per launch
+  (launches cover the packed rows in turn) under `launch`."""
+
+  rows: int
+  launch: DecodeLaunch
+
+
+def plan_launch(rows_padded: int, *, head_dim: int, itemsize: int,
+                device_kind: str, preferred: DecodeLaunch) -> DecodePlan:
+  """The launch of a decode call that fits the device's shared memory.
+
+  The most rows per launch (at most MAX_ROWS_PER_LAUNCH), then the first of
+  `preferred`, FALLBACK_LAUNCHES that fits; with none fitting, half the
+  rows. At 16 rows the smallest fallback fits every supported head dim and
+  dtype on every GPU family block_sizes.shared_memory_limit knows.
+  """
+  limit = block_sizes.shared_memory_limit(device_kind)
+  rows = min(rows_padded, MAX_ROWS_PER_LAUNCH)
+  while True:
+    for launch in (preferred, *FALLBACK_LAUNCHES):
+      if shared_memory(launch, rows=rows, head_dim=head_dim,
+                       itemsize=itemsize) <= limit:
+        return DecodePlan(rows=rows, launch=launch)
+    if rows <= MIN_ROWS:
+      raise NotImplementedError(
+          f"decode attention at head_dim={head_dim} with {itemsize}-byte "
+          f"elements does not fit this GPU's shared memory ({limit} bytes, "
+          f"{device_kind!r}).")
+    rows //= 2
 
 
 def _dense_tile(ref, k_start, *, block_k: int, head_dim: int, batch,
@@ -84,7 +159,7 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
                   slopes_ref, o_ref, lse_ref, *, mask: MaskSpec, scale: float,
                   soft_cap: float | None, block_k: int, head_dim: int,
                   num_tokens: int, group: int, num_splits: int,
-                  positions_from_end: bool):
+                  positions_from_end: bool, row_offset: int = 0):
   split, batch = pl.program_id(0), pl.program_id(1)
   rows_padded = q_ref.shape[0]
   kv_len = plgpu.load(lengths_ref.at[batch])
@@ -99,7 +174,10 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
     offset = kv_len - q_len
   else:
     offset = masks.causal_offset(mask, q_len, kv_len)
-  tokens = (jnp.arange(rows_padded, dtype=jnp.int32) // group)[:, None]
+  rows = jnp.arange(rows_padded, dtype=jnp.int32)
+  if row_offset:  # One of several launches over the packed rows.
+    rows = rows + row_offset
+  tokens = (rows // group)[:, None]
 
   # The key tiles any token sees, cut into num_splits chunks.
   runs = masks.key_blocks(mask, 0, num_tokens, block_k, num_tokens, kv_len,
@@ -155,7 +233,7 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
                 scale: float, soft_cap: float | None, num_tokens: int,
                 group: int, num_splits: int, block_k: int, num_warps: int,
                 num_stages: int, interpret: bool, out_dtype=jnp.float32,
-                positions_from_end: bool = True):
+                positions_from_end: bool = True, row_offset: int = 0):
   """The split partials of decode attention.
 
   Args:
@@ -181,6 +259,8 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
       window and ALiBi too (decode_attention); False: flash_attention's
       offsets (`masks.causal_offset`: L - q_len only for bottom-right
       causal).
+    row_offset: the packed row index of q_packed's first row (a launch
+      over a slice of the rows; see `plan_launch`).
 
   Returns:
     (out [P, B, K, M, H] in out_dtype, lse2 float32 [P, B, K, M]) per
@@ -201,7 +281,7 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
       decode_kernel, mask=mask, scale=scale, soft_cap=soft_cap,
       block_k=block_k, head_dim=head_dim, num_tokens=num_tokens,
       group=group, num_splits=num_splits,
-      positions_from_end=positions_from_end)
+      positions_from_end=positions_from_end, row_offset=row_offset)
   whole = lambda x: pl.BlockSpec(x.shape, lambda s, b, h: (0,) * x.ndim)
   optional = {
       "table_ref": (block_table, None if block_table is None

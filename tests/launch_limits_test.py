@@ -1,0 +1,111 @@
+"""Every launch configuration the kernels can choose fits the GPU.
+
+A kernel whose launch asks for more shared memory than a block has fails on
+the GPU only, at run time (RESOURCE_EXHAUSTED), so these tests walk every
+configuration the default choices can produce (head dims, query rows per kv
+head, dtypes, dense operands, GPU families) through the shared-memory
+models the choices use, and assert each fits. The models are calibrated
+against the bytes Triton requests on an H100
+(benchmarks/launch_limits.py; benchmarks/results/RECORD.md).
+"""
+
+import itertools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from jflash._src.backends.mosaic import config as mosaic_config
+from jflash._src.backends.triton import block_sizes
+from jflash._src.backends.triton import decode as triton_decode
+
+DEVICE_KINDS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+                "NVIDIA L4")
+ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Every head dim up to 256 pads to one of these widths; test each width's
+# edges and a few in between.
+HEAD_DIMS = (8, 16, 32, 33, 64, 80, 96, 128, 160, 192, 200, 256)
+
+
+class DecodeLaunchTest(parameterized.TestCase):
+
+  @parameterized.product(device_kind=DEVICE_KINDS, dtype=tuple(ITEMSIZES))
+  def test_every_decode_launch_fits(self, device_kind, dtype):
+    limit = block_sizes.shared_memory_limit(device_kind)
+    itemsize = ITEMSIZES[dtype]
+    # Packed rows: 1..16 tokens x GQA groups up to 128 query heads per kv
+    # head, padded to a power of two >= 16 (decode.kernel_attention).
+    for head_dim, rows in itertools.product(
+        HEAD_DIMS, (16, 32, 64, 128, 256, 512, 1024, 2048)):
+      plan = triton_decode.plan_launch(
+          rows, head_dim=head_dim, itemsize=itemsize,
+          device_kind=device_kind, preferred=triton_decode.DecodeLaunch())
+      need = triton_decode.shared_memory(plan.launch, rows=plan.rows,
+                                         head_dim=head_dim,
+                                         itemsize=itemsize)
+      self.assertLessEqual(need, limit, msg=f"{head_dim=} {rows=} {plan=}")
+      self.assertLessEqual(plan.rows, triton_decode.MAX_ROWS_PER_LAUNCH)
+      self.assertEqual(rows % plan.rows, 0)
+
+  def test_the_reported_crash_takes_a_fallback(self):
+    # Issue 22: 13 tokens x a GQA group of 8 (128 packed rows) at head dim
+    # 256 in bf16 asked for 327680 bytes with the preferred launch (the
+    # number in the H100's RESOURCE_EXHAUSTED message; the model is exact).
+    preferred = triton_decode.DecodeLaunch()
+    self.assertEqual(triton_decode.shared_memory(
+        preferred, rows=128, head_dim=256, itemsize=2), 327680)
+    plan = triton_decode.plan_launch(
+        128, head_dim=256, itemsize=2, device_kind=DEVICE_KINDS[0],
+        preferred=preferred)
+    self.assertNotEqual(plan.launch, preferred)
+    self.assertLessEqual(
+        triton_decode.shared_memory(plan.launch, rows=plan.rows,
+                                    head_dim=256, itemsize=2),
+        block_sizes.shared_memory_limit(DEVICE_KINDS[0]))
+
+  def test_launches_that_fit_keep_the_preferred_one(self):
+    # The common decode shapes (<= 64 rows, head dim <= 128, 16-bit) keep
+    # the measured default launch.
+    for rows, head_dim in itertools.product((16, 32, 64), (64, 128)):
+      plan = triton_decode.plan_launch(
+          rows, head_dim=head_dim, itemsize=2, device_kind=DEVICE_KINDS[0],
+          preferred=triton_decode.DecodeLaunch())
+      self.assertEqual(plan, triton_decode.DecodePlan(
+          rows=rows, launch=triton_decode.DecodeLaunch()))
+
+
+class TrainingLaunchTest(parameterized.TestCase):
+
+  @parameterized.product(device_kind=DEVICE_KINDS, dtype=tuple(ITEMSIZES))
+  def test_every_default_triton_tile_fits(self, device_kind, dtype):
+    limit = block_sizes.shared_memory_limit(device_kind)
+    itemsize = ITEMSIZES[dtype]
+    # Dense operands streamed by tile: none, a mask (1 byte), a float32
+    # bias (4), both (5).
+    for head_dim, length, is_causal, dense in itertools.product(
+        HEAD_DIMS, (16, 300, 512, 1024, 2048, 8192), (False, True),
+        (0, 1, 4, 5)):
+      tiles = block_sizes.default_block_sizes(
+          q_len=length, kv_len=length, head_dim=head_dim, dtype=dtype,
+          is_causal=is_causal, device_kind=device_kind,
+          dense_itemsize=dense)
+      where = f"{head_dim=} {length=} {is_causal=} {dense=} {tiles}"
+      self.assertLessEqual(block_sizes.forward_shared_memory(
+          tiles.block_q, tiles.block_k, tiles.num_stages,
+          head_dim=head_dim, itemsize=itemsize, dense_itemsize=dense),
+                           limit, msg=where)
+      self.assertLessEqual(block_sizes.backward_shared_memory(
+          tiles.block_q_dkv, tiles.block_k_dkv, tiles.block_q_dq,
+          tiles.block_k_dq, tiles.num_stages_bwd, head_dim=head_dim,
+          itemsize=itemsize, dense_itemsize=dense), limit, msg=where)
+
+  def test_every_default_mosaic_tile_fits(self):
+    for head_dim in (64, 128, 256):
+      sizes = mosaic_config.default_block_sizes(head_dim, 2)
+      self.assertLessEqual(sizes.smem_bytes(head_dim, 2),
+                           mosaic_config.SMEM_BUDGET_BYTES)
+      self.assertLessEqual(sizes.backward_smem_bytes(head_dim, 2),
+                           mosaic_config.SMEM_BUDGET_BYTES)
+
+
+if __name__ == "__main__":
+  absltest.main()
