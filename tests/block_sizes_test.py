@@ -38,35 +38,6 @@ class BlockSizesTest(parameterized.TestCase):
       self.assertLessEqual(tile, max(rounded_q, 16))
     self.assertIsInstance(sizes, jflash.BlockSizes)
 
-  @parameterized.product(
-      head_dim=(32, 64, 80, 128, 192, 256),
-      dtype=("float32", "bfloat16", "float16"),
-      device_kind=("NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA L4"),
-      dense_itemsize=(0, 5))
-  def test_default_tiles_fit_shared_memory(self, head_dim, dtype,
-                                           device_kind, dense_itemsize):
-    # float32 with the 16-bit tiles (128x128, 3 stages, D=128) asks for
-    # ~448 KiB and failed to compile on an H200 (see WORKSPACE_NOTES.md);
-    # a dense bias's tiles on top of 128x128 bf16 tiles asked 288 KiB on an
-    # H100 (dense_itemsize=5: a float32 bias and a mask).
-    sizes = jflash.default_block_sizes(
-        q_len=8192, kv_len=8192, head_dim=head_dim, dtype=dtype,
-        is_causal=False, device_kind=device_kind,
-        dense_itemsize=dense_itemsize)
-    itemsize = jnp.dtype(dtype).itemsize
-    limit = block_sizes.shared_memory_limit(device_kind)
-    self.assertLessEqual(
-        block_sizes.forward_shared_memory(
-            sizes.block_q, sizes.block_k, sizes.num_stages,
-            head_dim=head_dim, itemsize=itemsize,
-            dense_itemsize=dense_itemsize), limit, msg=str(sizes))
-    self.assertLessEqual(
-        block_sizes.backward_shared_memory(
-            sizes.block_q_dkv, sizes.block_k_dkv, sizes.block_q_dq,
-            sizes.block_k_dq, sizes.num_stages_bwd, head_dim=head_dim,
-            itemsize=itemsize, dense_itemsize=dense_itemsize), limit,
-        msg=str(sizes))
-
   def test_estimate_rejects_the_bias_tiles_that_failed(self):
     # bf16, D=128, 128x128 tiles, 3 stages with a bf16 bias: Triton asked
     # 294912 bytes of 232448 on an H100 (2026-11-23).

@@ -19,6 +19,7 @@ from jflash._src import platform
 from jflash._src import registry
 from jflash._src.backends.triton import backward as backward_kernels
 from jflash._src.backends.triton import forward as forward_kernels
+from jflash._src.backends.triton import block_sizes as block_sizes_lib
 from jflash._src.backends.triton.block_sizes import BlockSizes
 from jflash._src.backends.triton.block_sizes import default_block_sizes
 from jflash._src.backends.triton.config import TritonConfig
@@ -44,6 +45,30 @@ def tuned_block_sizes(path: str | None = None, **shape: Any
   return None if entry is None else BlockSizes(**entry["block_sizes"])
 
 
+def _check_fits(tiles: BlockSizes, spec: CallSpec) -> None:
+  """ValueError when the user's tiles need more shared memory than this
+  device's blocks have (the launch would fail on the GPU at run time)."""
+  device = platform.device_kind()
+  limit = block_sizes_lib.shared_memory_limit(device)
+  itemsize = jnp.dtype(spec.dtype).itemsize
+  dense = 4 * spec.has_bias + 1 * spec.mask.has_dense_mask
+  needs = {
+      "forward": block_sizes_lib.forward_shared_memory(
+          tiles.block_q, tiles.block_k, tiles.num_stages,
+          head_dim=spec.head_dim, itemsize=itemsize, dense_itemsize=dense),
+      "backward": block_sizes_lib.backward_shared_memory(
+          tiles.block_q_dkv, tiles.block_k_dkv, tiles.block_q_dq,
+          tiles.block_k_dq, tiles.num_stages_bwd, head_dim=spec.head_dim,
+          itemsize=itemsize, dense_itemsize=dense)}
+  for pass_, need in needs.items():
+    if need > limit:
+      raise ValueError(
+          f"block_sizes={tiles} need about {need} bytes of shared memory in "
+          f"the {pass_} kernels at head_dim={spec.head_dim} and dtype="
+          f"{spec.dtype}; a block of this GPU ({device!r}) has {limit}. Use "
+          "smaller tiles or fewer stages.")
+
+
 def configure(spec: CallSpec, options: dict[str, Any]) -> TritonConfig:
   """The call's tiles (user's, tuned, or default) and interpret flag.
 
@@ -52,7 +77,9 @@ def configure(spec: CallSpec, options: dict[str, Any]) -> TritonConfig:
   heuristic counts their tiles (a bias as float32, the worst case).
   """
   block_sizes = options.get("block_sizes")
-  if block_sizes is None:
+  if block_sizes is not None:
+    _check_fits(block_sizes, spec)
+  else:
     shape = dict(q_len=spec.q_len, kv_len=spec.kv_len,
                  head_dim=spec.head_dim, dtype=spec.dtype,
                  is_causal=spec.mask.is_causal,

@@ -55,10 +55,19 @@ class DecodeLaunch:
 
 # Fallbacks, in order, for launches the preferred one does not fit (many
 # query rows per kv head at a large head dim, float32, or a GPU with less
-# shared memory): fewer stages first, then narrower key tiles.
+# shared memory). At 128 rows x head dim 256, bf16, H100: 32-key tiles with
+# 4 stages 88-91 us against 101-106 for 64-key tiles with 2 stages or
+# 32-key tiles with 2 stages (RECORD.md, 2026-11-25, "launch limits").
 FALLBACK_LAUNCHES = (
-    DecodeLaunch(64, 4, 3), DecodeLaunch(64, 4, 2), DecodeLaunch(32, 4, 4),
-    DecodeLaunch(32, 4, 2), DecodeLaunch(16, 4, 2), DecodeLaunch(16, 4, 1))
+    DecodeLaunch(64, 4, 3), DecodeLaunch(32, 4, 4), DecodeLaunch(64, 4, 2),
+    DecodeLaunch(32, 4, 3), DecodeLaunch(32, 4, 2), DecodeLaunch(16, 4, 2),
+    DecodeLaunch(16, 4, 1))
+# The float32 accumulator [rows, head dim] is spread over the program's
+# threads; past this many values per thread it spills to local memory
+# (128 rows x 256 columns on 4 warps: 256 per thread, 2.4x slower than on
+# 8 warps at B=16, H100), so such launches take more warps.
+MAX_ACCUMULATOR_PER_THREAD = 128
+MAX_WARPS = 8
 # The most query rows one launch takes (a power of two); more are split
 # into launches of this many rows (each reads the cache again).
 MAX_ROWS_PER_LAUNCH = 128
@@ -87,13 +96,24 @@ class DecodePlan:
   launch: DecodeLaunch
 
 
+def _with_warps_for_accumulator(launch: DecodeLaunch, rows: int,
+                                head_dim: int) -> DecodeLaunch:
+  """`launch` with enough warps (up to MAX_WARPS) that the accumulator
+  holds at most MAX_ACCUMULATOR_PER_THREAD values per thread."""
+  values = rows * tiles.head_dim_padded(head_dim)
+  warps = launch.num_warps
+  while warps < MAX_WARPS and values > 32 * warps * MAX_ACCUMULATOR_PER_THREAD:
+    warps *= 2
+  return dataclasses.replace(launch, num_warps=warps)
+
+
 def plan_launch(rows_padded: int, *, head_dim: int, itemsize: int,
                 device_kind: str, preferred: DecodeLaunch) -> DecodePlan:
   """The launch of a decode call that fits the device's shared memory.
 
   The most rows per launch (at most MAX_ROWS_PER_LAUNCH), then the first of
-  `preferred`, FALLBACK_LAUNCHES that fits; with none fitting, half the
-  rows. At 16 rows the smallest fallback fits every supported head dim and
+  `preferred`, FALLBACK_LAUNCHES that fits, with warps enough for the
+  accumulator; with none fitting, half the rows. At 16 rows the smallest fallback fits every supported head dim and
   dtype on every GPU family block_sizes.shared_memory_limit knows.
   """
   limit = block_sizes.shared_memory_limit(device_kind)
@@ -102,7 +122,8 @@ def plan_launch(rows_padded: int, *, head_dim: int, itemsize: int,
     for launch in (preferred, *FALLBACK_LAUNCHES):
       if shared_memory(launch, rows=rows, head_dim=head_dim,
                        itemsize=itemsize) <= limit:
-        return DecodePlan(rows=rows, launch=launch)
+        return DecodePlan(rows=rows, launch=_with_warps_for_accumulator(
+            launch, rows, head_dim))
     if rows <= MIN_ROWS:
       raise NotImplementedError(
           f"decode attention at head_dim={head_dim} with {itemsize}-byte "
