@@ -64,6 +64,26 @@ def _decode_once(rows, head_dim, dtype, launch, kv_seq=1024):
   return jax.block_until_ready(run(q, k, v))
 
 
+def calibrate_grid():
+  """Decode launches over rows x head dims x dtypes x launches: the bytes
+  Triton requests (or "ran"), beside the model's."""
+  print("== calibrate_grid: decode, model bytes vs Triton's request")
+  L = triton_decode.DecodeLaunch
+  for dtype, rows, head_dim, launch in (
+      (d, r, h, l) for d in ("bfloat16", "float32") for r in (16, 32, 64, 128)
+      for h in (128, 256) for l in (L(64, 4, 4), L(64, 4, 3), L(32, 4, 4))):
+    model = triton_decode.shared_memory(
+        launch, rows=rows, head_dim=head_dim,
+        itemsize=jnp.dtype(dtype).itemsize)
+    try:
+      _decode_once(rows, head_dim, dtype, launch)
+      outcome = "ran"
+    except Exception as e:  # pylint: disable=broad-except
+      outcome = _requested(e)
+    print(f"{dtype} rows={rows} D={head_dim} k{launch.block_k}"
+          f"s{launch.num_stages}: model {model} -> {outcome}", flush=True)
+
+
 def calibrate():
   print("== calibrate: model bytes vs Triton's request "
         f"(limit {block_sizes.shared_memory_limit(jax.devices()[0].device_kind)})")
@@ -242,7 +262,7 @@ def repro():
 
 
 def main():
-  parts = {"calibrate": calibrate, "decode": decode_coverage,
+  parts = {"calibrate": calibrate, "calibrate_grid": calibrate_grid, "decode": decode_coverage,
            "training": training, "speed": speed, "repro": repro}
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--parts", nargs="+", default=list(parts),

@@ -28,6 +28,62 @@ ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # edges and a few in between.
 HEAD_DIMS = (8, 16, 32, 33, 64, 80, 96, 128, 160, 192, 200, 256)
 
+# Measured on an H100 (benchmarks/launch_limits.py calibrate_grid,
+# 2026-11-25): (dtype, rows, head_dim, block_k, num_stages) -> the bytes
+# Triton requested (RESOURCE_EXHAUSTED), and the launches that ran.
+REQUESTED = {
+    ('bfloat16', 64, 256, 64, 4): 294912,
+    ('bfloat16', 128, 256, 64, 4): 327680,
+    ('bfloat16', 128, 256, 64, 3): 262144,
+    ('float32', 16, 256, 64, 4): 413760,
+    ('float32', 16, 256, 64, 3): 282688,
+    ('float32', 32, 256, 64, 4): 434304,
+    ('float32', 32, 256, 64, 3): 303232,
+    ('float32', 32, 256, 32, 4): 233600,
+    ('float32', 64, 128, 64, 4): 246016,
+    ('float32', 64, 256, 64, 4): 475392,
+    ('float32', 64, 256, 64, 3): 344320,
+    ('float32', 64, 256, 32, 4): 270592,
+    ('float32', 128, 128, 64, 4): 295424,
+    ('float32', 128, 256, 64, 4): 557568,
+    ('float32', 128, 256, 64, 3): 426496,
+    ('float32', 128, 256, 32, 4): 344576,
+}
+RAN = (
+    ('bfloat16', 16, 128, 64, 4),
+    ('bfloat16', 16, 128, 64, 3),
+    ('bfloat16', 16, 128, 32, 4),
+    ('bfloat16', 16, 256, 64, 4),
+    ('bfloat16', 16, 256, 64, 3),
+    ('bfloat16', 16, 256, 32, 4),
+    ('bfloat16', 32, 128, 64, 4),
+    ('bfloat16', 32, 128, 64, 3),
+    ('bfloat16', 32, 128, 32, 4),
+    ('bfloat16', 32, 256, 64, 4),
+    ('bfloat16', 32, 256, 64, 3),
+    ('bfloat16', 32, 256, 32, 4),
+    ('bfloat16', 64, 128, 64, 4),
+    ('bfloat16', 64, 128, 64, 3),
+    ('bfloat16', 64, 128, 32, 4),
+    ('bfloat16', 64, 256, 64, 3),
+    ('bfloat16', 64, 256, 32, 4),
+    ('bfloat16', 128, 128, 64, 4),
+    ('bfloat16', 128, 128, 64, 3),
+    ('bfloat16', 128, 128, 32, 4),
+    ('bfloat16', 128, 256, 32, 4),
+    ('float32', 16, 128, 64, 4),
+    ('float32', 16, 128, 64, 3),
+    ('float32', 16, 128, 32, 4),
+    ('float32', 16, 256, 32, 4),
+    ('float32', 32, 128, 64, 4),
+    ('float32', 32, 128, 64, 3),
+    ('float32', 32, 128, 32, 4),
+    ('float32', 64, 128, 64, 3),
+    ('float32', 64, 128, 32, 4),
+    ('float32', 128, 128, 64, 3),
+    ('float32', 128, 128, 32, 4),
+)
+
 
 class DecodeLaunchTest(parameterized.TestCase):
 
@@ -54,6 +110,19 @@ class DecodeLaunchTest(parameterized.TestCase):
       self.assertLessEqual(per_thread,
                            triton_decode.MAX_ACCUMULATOR_PER_THREAD,
                            msg=f"{head_dim=} {rows=} {plan=}")
+
+  def test_model_matches_the_gpu(self):
+    # Exact where Triton asked for more than the H100 has; within the limit
+    # where the launch ran.
+    limit = block_sizes.shared_memory_limit(DEVICE_KINDS[0])
+    need = lambda dtype, rows, head_dim, block_k, stages: (
+        triton_decode.shared_memory(
+            triton_decode.DecodeLaunch(block_k, 4, stages), rows=rows,
+            head_dim=head_dim, itemsize=ITEMSIZES[dtype]))
+    for case, requested in REQUESTED.items():
+      self.assertEqual(need(*case), requested, msg=str(case))
+    for case in RAN:
+      self.assertLessEqual(need(*case), limit, msg=str(case))
 
   def test_the_reported_crash_takes_a_fallback(self):
     # Issue 22: 13 tokens x a GQA group of 8 (128 packed rows) at head dim

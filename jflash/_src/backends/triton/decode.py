@@ -74,17 +74,33 @@ MAX_ROWS_PER_LAUNCH = 128
 MIN_ROWS = 16  # Triton's matrix instructions need tiles of >= 16 rows.
 
 
+# Triton lowers 16-bit tiles of >= 64 rows to Hopper's wgmma, whose
+# pipeline holds `num_stages` K/V tiles; other tiles to mma.sync, whose
+# pipeline holds `num_stages - 1` and stages the float32 probabilities.
+WGMMA_MIN_ROWS = 64
+
+
 def shared_memory(launch: DecodeLaunch, *, rows: int, head_dim: int,
                   itemsize: int) -> int:
-  """Shared memory of one program: its query tile plus `num_stages`
-  buffered key and value tiles (Triton's software pipeline), in bytes.
+  """Shared memory one program asks for, in bytes: its query tile, the
+  pipeline's buffered key and value tiles, and (mma.sync) a float32
+  [rows, block_k + 1] probability tile.
 
   Calibrated on an H100 against the bytes Triton requests at launch (the
-  RESOURCE_EXHAUSTED message): exact for bf16 rows=128, D=256, 64-key
-  tiles, 4 stages (327680); see tests/launch_limits_test.py.
+  RESOURCE_EXHAUSTED message; benchmarks/launch_limits.py calibrate_grid,
+  RECORD.md 2026-11-25 "launch limits"): exact for every over-limit launch
+  measured (16-bit at >= 64 rows; float32 at 16-128 rows, 32- and 64-key
+  tiles, head dims 128 and 256); for 16-bit below 64 rows every launch
+  ran, the largest (32 rows, D=256, 64-key tiles, 4 stages) at the
+  model's 221312 bytes, so the model is an upper bound there.
   """
-  return itemsize * tiles.head_dim_padded(head_dim) * (
-      rows + 2 * launch.num_stages * launch.block_k)
+  head_dim_p = tiles.head_dim_padded(head_dim)
+  if itemsize == 2 and rows >= WGMMA_MIN_ROWS:
+    return itemsize * head_dim_p * (
+        rows + 2 * launch.num_stages * launch.block_k)
+  buffered = max(1, launch.num_stages - 1)
+  return (itemsize * head_dim_p * (rows + 2 * buffered * launch.block_k)
+          + 4 * rows * (launch.block_k + 1))
 
 
 @dataclasses.dataclass(frozen=True)
