@@ -23,11 +23,14 @@ paged, and flash_attention's "decode" backend) instead.
 
 `--mosaic` writes the Mosaic GPU kernels' instead: the jaxprs of the
 backend's forward and backward functions (the kernel bodies included;
-traced on CPU, nothing lowered), for head dims 64/128/256 under three
-masks.
+traced on CPU, nothing lowered), for head dims 64/128/256 under six
+configurations that together cover the persistent forward (causal and
+not), lengths, segments (with and without lengths), windows (one- and
+two-sided), soft cap, sinks and the atomic_dq backward (head dims <= 128).
 """
 
 import argparse
+import dataclasses
 import itertools
 
 import jax
@@ -104,13 +107,22 @@ def _mosaic_texts():
   from jflash._src.spec import CallSpec, MaskSpec, ModifierSpec, Operands
   texts = []
   batch, q_len, kv_len, heads, kv_heads = 2, 520, 392, 8, 4
-  masks = (
-      (MaskSpec(is_causal=False, has_lengths=False), None, False),
-      (MaskSpec(is_causal=True, has_lengths=True), 20.0, False),
+  # (mask, soft cap, sinks, atomic_dq). Without window, lengths or
+  # segments the forward is persistent (causal: in tile pairs).
+  cases = (
+      (MaskSpec(is_causal=False, has_lengths=False), None, False, False),
+      (MaskSpec(is_causal=True, has_lengths=True), 20.0, False, False),
       (MaskSpec(is_causal=True, has_lengths=False, bottom_right=True,
-                window=(50, 0)), None, True))
-  for head_dim, (mask, soft_cap, sinks) in itertools.product(
-      (64, 128, 256), masks):
+                window=(50, 0)), None, True, False),
+      (MaskSpec(is_causal=True, has_lengths=False), None, True, True),
+      (MaskSpec(is_causal=False, has_lengths=True, has_segments=True),
+       10.0, True, False),
+      (MaskSpec(is_causal=True, has_lengths=False, window=(70, 30),
+                has_segments=True), None, False, True))
+  for head_dim, (mask, soft_cap, sinks, atomic_dq) in itertools.product(
+      (64, 128, 256), cases):
+    # atomic_dq supports head dims <= 128.
+    atomic_dq = atomic_dq and head_dim <= 128
     spec = CallSpec(batch=batch, q_len=q_len, kv_len=kv_len,
                     num_heads=heads, num_kv_heads=kv_heads,
                     head_dim=head_dim, dtype="bfloat16",
@@ -118,15 +130,24 @@ def _mosaic_texts():
                     logits_soft_cap=soft_cap,
                     modifiers=ModifierSpec(has_sinks=sinks))
     config = mosaic.configure(spec, {})
+    if atomic_dq:
+      config = mosaic.configure(spec, {"block_sizes": dataclasses.replace(
+          config.block_sizes, atomic_dq=True)})
     q = jnp.ones((batch, q_len, heads, head_dim), jnp.bfloat16)
     k = jnp.ones((batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
     lengths = jnp.array([500, 7], jnp.int32)
     extra = jnp.zeros((batch, heads), jnp.float32)
+    # Segments: runs of 37 positions (queries) and 29 (keys).
+    q_ids = jnp.broadcast_to(jnp.arange(q_len) // 37, (batch, q_len))
+    kv_ids = jnp.broadcast_to(jnp.arange(kv_len) // 29, (batch, kv_len))
 
-    def operands(q, k, v, lengths, sinks_value, mask=mask, sinks=sinks):
+    def operands(q, k, v, lengths, sinks_value, mask=mask, sinks=sinks,
+                 q_ids=q_ids, kv_ids=kv_ids):
       ops = Operands(q, k, v, sinks=sinks_value if sinks else None)
       if mask.has_lengths:
         ops = ops.replace(q_lengths=lengths, kv_lengths=lengths)
+      if mask.has_segments:
+        ops = ops.replace(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
       return ops
 
     forward = lambda *a, spec=spec, config=config: mosaic.forward(
@@ -134,7 +155,8 @@ def _mosaic_texts():
     out, lse2 = jax.eval_shape(forward, q, k, k, lengths, extra)
     backward = lambda *a, spec=spec, config=config: mosaic.backward(
         spec, config, operands(*a[:5]), *a[5:], None)
-    label = f"== mosaic D={head_dim} {mask} soft_cap={soft_cap} sinks={sinks}"
+    label = (f"== mosaic D={head_dim} {mask} soft_cap={soft_cap} "
+             f"sinks={sinks}" + (" atomic_dq" if atomic_dq else ""))
     texts.append(f"{label} forward\n"
                  f"{jax.make_jaxpr(forward)(q, k, k, lengths, extra)}")
     texts.append(f"{label} backward\n" + str(jax.make_jaxpr(backward)(

@@ -22,6 +22,7 @@ from benchmarks import run as bench
 from jflash._src import api
 from jflash._src.backends.mosaic import forward
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
+from jflash._src.spec import Operands
 
 # (block_q, block_kv, num_stages)
 TILES = [(64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 128, 3), (128, 64, 2),
@@ -117,11 +118,11 @@ def main():
           if sizes.smem_bytes(shape.head_dim, 2) > 227 * 1024:
             continue
           step = jax.jit(functools.partial(
-              forward.forward_call, q_lengths=None, kv_lengths=None,
-              spec=call.spec, block_sizes=sizes,
+              forward.forward_call, spec=call.spec, block_sizes=sizes,
               persistent=persistent))
           first, per_call = bench.time_step(
-              lambda q, k, v, _: step(q, k, v), (q, k, v, None), 3, 5, 10)
+              lambda q, k, v, _: step(Operands(q, k, v)), (q, k, v, None),
+              3, 5, 10)
           print(f"  {block_q}x{block_kv} s{stages}: {per_call * 1e3:.3f} ms"
                 f" {flop / per_call / 1e12:.0f} TFLOP/s "
                 f"{cudnn_s / per_call:.2f}x cuDNN (first call {first:.1f} s)")

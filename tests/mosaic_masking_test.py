@@ -122,7 +122,7 @@ class Case:
     return tuple(np.asarray(x, np.int32) for x in self.lengths)
 
   def segment_ids(self) -> pipeline.SegmentIds | None:
-    """The kernels' `pipeline.SegmentIds` as `backend._segment_ids` builds
+    """The kernels' `pipeline.SegmentIds` as `pipeline.segment_ids` builds
     them (ids int32 [B, T], [B, S]; the lengths filled with the full ones
     without lengths), or None without segments."""
     if self.segments is None:

@@ -19,7 +19,6 @@ from jflash._src import platform
 from jflash._src import registry
 from jflash._src.backends.mosaic import backward as backward_kernels
 from jflash._src.backends.mosaic import forward as forward_kernels
-from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.mosaic.config import MosaicConfig
 from jflash._src.backends.mosaic.config import default_block_sizes
@@ -62,30 +61,10 @@ def configure(spec: CallSpec, options: dict[str, Any]) -> MosaicConfig:
   return MosaicConfig(block_sizes=block_sizes)
 
 
-def _lengths(spec: CallSpec, operands: Operands):
-  """(q_lengths, kv_lengths) for the kernels: None without lengths (the
-  kernels then use the static array lengths)."""
-  if not spec.mask.has_lengths:
-    return None, None
-  return operands.lengths()
-
-
-def _segment_ids(spec: CallSpec, operands: Operands):
-  """The kernels' `pipeline.SegmentIds` (ids and filled lengths), or None
-  without segments."""
-  if not spec.mask.has_segments:
-    return None
-  return pipeline.SegmentIds(operands.q_segment_ids, operands.kv_segment_ids,
-                             *operands.lengths())
-
-
 def forward(spec: CallSpec, config: MosaicConfig, operands: Operands):
   """(out, lse2): the warp-specialized forward kernel."""
-  return forward_kernels.forward_call(
-      operands.query, operands.key, operands.value,
-      *_lengths(spec, operands), operands.sinks,
-      _segment_ids(spec, operands), spec=spec,
-      block_sizes=config.block_sizes)
+  return forward_kernels.forward_call(operands, spec=spec,
+                                      block_sizes=config.block_sizes)
 
 
 def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,
@@ -103,8 +82,7 @@ def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,
     # backend).
     delta = delta - dlse
   dq, dk, dv = backward_kernels.backward_call(
-      operands.query, operands.key, operands.value, out, dout, lse2, delta,
-      *_lengths(spec, operands), _segment_ids(spec, operands), spec=spec,
+      operands, dout, lse2, delta, spec=spec,
       block_sizes=config.block_sizes)
   dsinks = None
   if operands.sinks is not None:

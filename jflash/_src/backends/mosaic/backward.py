@@ -42,8 +42,11 @@ TMA (the padding is past q_len / kv_len, hence masked).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
+import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -62,6 +65,7 @@ from jflash._src.backends.mosaic.forward import pad_rows
 from jflash._src.backends.mosaic.forward import smem_transforms
 from jflash._src.spec import CallSpec
 from jflash._src.spec import MaskSpec
+from jflash._src.spec import Operands
 
 COMPUTE_WARPGROUPS = BWD_COMPUTE_WARPGROUPS
 PRODUCER = COMPUTE_WARPGROUPS
@@ -125,61 +129,98 @@ def _for_each_compute_warpgroup(wg, chunks: int, consumer):
         functools.partial(consumer, lax.div(wg, chunks), chunk))
 
 
-def _segment_sources(segments, ids_smem):
-  """((own ids in GMEM, their shared memory), (streamed ids, their ring)) of
-  a kernel with segments (ids_smem: (own, ring)), else (None, None)."""
-  if segments is None:
-    return None, None
-  return ((segments.own_ids, ids_smem[0]),
-          (segments.streamed_ids, ids_smem[1]))
-
-
 def _ranges(segments, name: str):
   """The host's `name` tile ranges ref, or None without segments."""
   return None if segments is None else getattr(segments, name)
 
 
-def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-              q_lengths_ref, kv_lengths_ref, segments, dq_ref, scratch, *,
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DqScratch:
+  """The dQ kernel's shared memory and barriers: types on the host
+  (`backward_call`), refs in the kernel. The fields are in allocation order
+  (the order of the refs in the kernel's jaxpr).
+
+  Attributes:
+    rows: the block's Q and dO tiles, [row_groups, block_q, H] each; with
+      column chunks a union of them with the dQ staging (`_rows_scratch`,
+      `_unpack_rows`).
+    lse, delta: float32 [row_groups, block_q]: the rows' lse and delta.
+    k, v: the K and V rings, [stages, block_kv, H].
+    q_ids: with segments, int32 [row_groups, block_q]: the rows' ids; else
+      None.
+    kv_ids: with segments, int32 [stages, block_kv]: the ring of the key
+      tiles' ids; else None.
+    q_ready: per row group: its Q and lse (and ids) loaded.
+    do_ready: per row group: its dO and delta loaded.
+    k_ready, v_ready: per slot: its K tile (and ids), its V tile loaded.
+    consumed: per slot: every compute warpgroup is done with it.
+    done: the compute warpgroups are done reading Q and dO (column chunks:
+      before the staging that aliases them is written).
+  """
+
+  rows: Any
+  lse: Any
+  delta: Any
+  k: Any
+  v: Any
+  q_ids: Any
+  kv_ids: Any
+  q_ready: Any
+  do_ready: Any
+  k_ready: Any
+  v_ready: Any
+  consumed: Any
+  done: Any
+
+
+def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
               mask: MaskSpec, scale: float, soft_cap: float | None,
               block_q: int, block_kv: int, stages: int, row_groups: int,
               chunks: int, group: int, q_seq: int, kv_seq: int):
-  (rows_smem, lse_smem, delta_smem, k_smem, v_smem, ids_smem), barriers = (
-      scratch)
-  (q_smem, do_smem), stage = _unpack_rows(rows_smem, chunks)
-  q_ready, do_ready, k_ready, v_ready, consumed, done = barriers
-  head_dim = q_ref.shape[3]
+  """The dQ kernel.
+
+  Args:
+    refs: q, k, v, do, lse, delta, q_lengths, kv_lengths, and segments
+      where the call has them.
+    dq_ref: the output, like q.
+    scratch: the block's shared memory and barriers.
+  """
+  (q_smem, do_smem), stage = _unpack_rows(scratch.rows, chunks)
+  head_dim = refs.q.shape[3]
   width = head_dim // chunks
-  dtype = q_ref.dtype
+  dtype = refs.q.dtype
   block_rows = row_groups * block_q
+  segments = refs.segments
 
   block = pipeline.query_block(
-      mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
+      mask, refs.q_lengths, refs.kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
       block_rows=block_rows, block_kv=block_kv,
       ranges_ref=_ranges(segments, "block_ranges"))
-  (batch, head, wg, block_start, q_len, kv_len, offset, steps_lo,
-   steps_hi) = block
+  batch, head = block.batch, block.head
   # With segments: each row group's ids (loaded with its Q), and the ring of
   # the key tiles' ids (loaded with K).
-  q_ids, kv_ids = _segment_sources(segments, ids_smem)
+  q_ids, kv_ids = pipeline.segment_sources(segments, scratch.q_ids,
+                                           scratch.kv_ids)
 
-  slot_of = functools.partial(pipeline.slot_of, lo=steps_lo, stages=stages)
+  slot_of = functools.partial(pipeline.slot_of, lo=block.steps_lo,
+                              stages=stages)
 
   def consumer(row_group, chunk: int):
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-    q_start = pipeline.row_group_start(block_start, row_group, block_q)
+    q_start = pipeline.row_group_start(block.start, row_group, block_q)
     q_tile, do_tile = q_smem.at[row_group], do_smem.at[row_group]
-    plgpu.barrier_wait(q_ready.at[row_group])
-    plgpu.barrier_wait(do_ready.at[row_group])
+    plgpu.barrier_wait(scratch.q_ready.at[row_group])
+    plgpu.barrier_wait(scratch.do_ready.at[row_group])
 
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     tile_shape = (block_q, block_kv)
     row_ids = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0,
                                                layout=row_layout)
-    lse = plgpu.load(lse_smem.at[row_group], layout=row_layout)
-    lse = pipeline.valid_lse(lse, row_ids, q_len)
-    delta = plgpu.load(delta_smem.at[row_group], layout=row_layout)
+    lse = plgpu.load(scratch.lse.at[row_group], layout=row_layout)
+    lse = pipeline.valid_lse(lse, row_ids, block.q_len)
+    delta = plgpu.load(scratch.delta.at[row_group], layout=row_layout)
     rows = q_start + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0,
                                             layout=wgmma_layout)
     columns = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
@@ -193,15 +234,16 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 
     def step(kv_step, dq, *, kind: str):
       slot = slot_of(kv_step)
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[slot])
+      k_tile = scratch.k.at[slot]
+      plgpu.barrier_wait(scratch.k_ready.at[slot])
+      plgpu.barrier_wait(scratch.v_ready.at[slot])
       if kind == "skip":
-        plgpu.barrier_arrive(consumed.at[slot])
+        plgpu.barrier_arrive(scratch.consumed.at[slot])
         return dq
 
       def scores(s_ref, dp_ref):
-        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-        plgpu.wgmma(dp_ref, do_tile, v_smem.at[slot].T)
+        plgpu.wgmma(s_ref, q_tile, k_tile.T)
+        plgpu.wgmma(dp_ref, do_tile, scratch.v.at[slot].T)
         return s_ref[...], dp_ref[...]
 
       s, dp = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32),
@@ -211,33 +253,33 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
       probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [0]))
       if kind == "masked":
         seen = pipeline.key_tile_visible(mask, rows, columns, kv_step,
-                                         block_kv, kv_len, offset,
-                                         *segment_tiles(slot))
+                                         block_kv, block.kv_len,
+                                         block.offset, *segment_tiles(slot))
         probs = jnp.where(seen, probs, 0.0)
       ds = _score_gradient(probs, capped, dp,
                            lax.broadcast_in_dim(delta, tile_shape, [0]))
       ds = ds.astype(dtype)
 
       def accumulate(acc_ref):
-        plgpu.wgmma(acc_ref, ds,
-                    _columns(k_smem.at[slot], chunk, width, chunks))
+        plgpu.wgmma(acc_ref, ds, _columns(k_tile, chunk, width, chunks))
 
       dq = pl.run_state(accumulate)(plgpu.ACC.init(dq))
-      plgpu.barrier_arrive(consumed.at[slot])
+      plgpu.barrier_arrive(scratch.consumed.at[slot])
       return dq
 
     dq = plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32),
                            wgmma_layout)
     own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv,
                              _ranges(segments, "group_ranges"))
-    for lo, hi, kind in pipeline.consumer_runs(own, steps_lo, steps_hi):
+    for lo, hi, kind in pipeline.consumer_runs(own, block.steps_lo,
+                                               block.steps_hi):
       dq = lax.fori_loop(lo, hi, functools.partial(step, kind=kind), dq)
 
     if chunks > 1:
       # The other chunk's warpgroup may still read Q and dO, which `stage`
       # aliases: wait for it.
-      plgpu.barrier_arrive(done)
-      plgpu.barrier_wait(done)
+      plgpu.barrier_arrive(scratch.done)
+      plgpu.barrier_wait(scratch.done)
       out_tile = stage[0].at[chunk]
     else:
       out_tile = q_tile
@@ -248,58 +290,112 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                             pl.ds(chunk * width, width)])
     plgpu.wait_smem_to_gmem(0)
 
-  _for_each_compute_warpgroup(wg, chunks, consumer)
+  _for_each_compute_warpgroup(block.warpgroup, chunks, consumer)
 
-  @pl.when(wg == PRODUCER)
+  @pl.when(block.warpgroup == PRODUCER)
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     kv_head = pipeline.kv_head_of(head, group)
     load_rows = pipeline.query_loader(
-        q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem, do_smem,
-        delta_smem, q_ready, do_ready, batch=batch, block_q=block_q,
-        ids=q_ids)
+        refs.q, refs.lse, refs.do, refs.delta, q_smem, scratch.lse, do_smem,
+        scratch.delta, scratch.q_ready, scratch.do_ready, batch=batch,
+        block_q=block_q, ids=q_ids)
     for row_group in range(row_groups):
-      load_rows(head, pipeline.row_group_start(block_start, row_group,
+      load_rows(head, pipeline.row_group_start(block.start, row_group,
                                                block_q), row_group)
 
     load = pipeline.key_value_loader(
-        k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, batch=batch,
-        kv_head=kv_head, block_kv=block_kv, ids=kv_ids)
-    pipeline.produce(load, steps_lo, steps_hi, stages, (consumed,))
+        refs.k, refs.v, scratch.k, scratch.v, scratch.k_ready,
+        scratch.v_ready, batch=batch, kv_head=kv_head, block_kv=block_kv,
+        ids=kv_ids)
+    pipeline.produce(load, block.steps_lo, block.steps_hi, stages,
+                     (scratch.consumed,))
 
 
-def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               q_lengths_ref, kv_lengths_ref, segments, dq_sum_ref, dk_ref,
-               dv_ref, scratch, *, mask: MaskSpec, scale: float,
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DkvScratch:
+  """The dK/dV kernel's shared memory and barriers: types on the host
+  (`backward_call`), refs in the kernel. The fields are in allocation order
+  (the order of the refs in the kernel's jaxpr).
+
+  Attributes:
+    rows: the block's K and V tiles, [row_groups, block_kv, H] each; with
+      column chunks a union of them with the dK and dV staging
+      (`_rows_scratch`, `_unpack_rows`).
+    q, do: the Q and dO rings, [stages, block_q, H].
+    lse, delta: float32 [stages, block_q]: the rings of the query tiles'
+      lse and delta.
+    kv_ids: with segments, int32 [row_groups, block_kv]: the keys' ids;
+      else None.
+    q_ids: with segments, int32 [stages, block_q]: the ring of the query
+      tiles' ids; else None.
+    ds: with atomic_dq, [row_groups, block_kv, block_q]: each row group's
+      dS^T, the left operand of its dQ product; else None.
+    dq_stage: with atomic_dq, float32 [row_groups, H / DQ_SUM_COLUMNS,
+      block_q, DQ_SUM_COLUMNS]: each row group's dQ column chunks for their
+      reduce-adds; else None.
+    kv_ready: per row group: its K and V (and ids) loaded.
+    q_ready: per slot: its Q and lse (and ids) loaded.
+    do_ready: per slot: its dO and delta loaded.
+    consumed: per slot: every compute warpgroup is done with it.
+    done: the compute warpgroups are done reading K and V (column chunks:
+      before the staging that aliases them is written).
+  """
+
+  rows: Any
+  q: Any
+  do: Any
+  lse: Any
+  delta: Any
+  kv_ids: Any
+  q_ids: Any
+  ds: Any
+  dq_stage: Any
+  kv_ready: Any
+  q_ready: Any
+  do_ready: Any
+  consumed: Any
+  done: Any
+
+
+def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
+               scratch: DkvScratch, *, mask: MaskSpec, scale: float,
                soft_cap: float | None, block_q: int, block_kv: int,
                stages: int, row_groups: int, chunks: int, group: int,
                q_seq: int, kv_seq: int):
-  """The dK/dV kernel; with `dq_sum_ref` (atomic_dq, float32 [B, T', N, H],
-  zeros) it also adds each tile's dQ / scale into it."""
-  (rows_smem, q_smem, do_smem, lse_smem, delta_smem, ids_smem,
-   dq_smem), barriers = scratch
-  (k_smem, v_smem), stage = _unpack_rows(rows_smem, chunks)
-  kv_ready, q_ready, do_ready, consumed, done = barriers
-  head_dim = q_ref.shape[3]
+  """The dK/dV kernel.
+
+  Args:
+    refs: q, k, v, do, lse, delta, q_lengths, kv_lengths, and segments
+      where the call has them; with `refs.dq_sum` (atomic_dq, float32
+      [B, T', N, H], zeros) the kernel also adds each tile's dQ / scale
+      into it.
+    dk_ref, dv_ref: the outputs, like k.
+    scratch: the block's shared memory and barriers.
+  """
+  (k_smem, v_smem), stage = _unpack_rows(scratch.rows, chunks)
+  head_dim = refs.q.shape[3]
   width = head_dim // chunks
-  dtype = q_ref.dtype
+  dtype = refs.q.dtype
   block_rows = row_groups * block_kv
+  segments = refs.segments
 
   block = pipeline.key_block(
-      mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
+      mask, refs.q_lengths, refs.kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
       block_rows=block_rows, block_q=block_q, group=group,
       ranges_ref=_ranges(segments, "block_ranges"))
-  (batch, kv_head, wg, block_start, q_len, kv_len, offset, tiles_lo,
-   tiles_hi, tiles_per_head, num_steps) = block
+  batch, kv_head = block.batch, block.kv_head
   # With segments: each row group's key ids (loaded with its K and V), and
   # the ring of the query tiles' ids (loaded with Q).
-  kv_ids, q_ids = _segment_sources(segments, ids_smem)
+  kv_ids, q_ids = pipeline.segment_sources(segments, scratch.kv_ids,
+                                           scratch.q_ids)
 
   def consumer(row_group, chunk: int):
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-    k_start = pipeline.row_group_start(block_start, row_group, block_kv)
+    k_start = pipeline.row_group_start(block.start, row_group, block_kv)
     k_tile, v_tile = k_smem.at[row_group], v_smem.at[row_group]
-    plgpu.barrier_wait(kv_ready.at[row_group])
+    plgpu.barrier_wait(scratch.kv_ready.at[row_group])
 
     wgmma_layout = plgpu.Layout.WGMMA
     column_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -326,43 +422,43 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     def step(q_tile_index, carry, *, head_step, kind: str):
       dk, dv = carry
       slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
-      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(scratch.q_ready.at[slot])
       if kind == "skip":
-        plgpu.barrier_wait(do_ready.at[slot])
-        plgpu.barrier_arrive(consumed.at[slot])
+        plgpu.barrier_wait(scratch.do_ready.at[slot])
+        plgpu.barrier_arrive(scratch.consumed.at[slot])
         return carry
       q_start = q_tile_index * block_q
-      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+      q_tile, do_tile = scratch.q.at[slot], scratch.do.at[slot]
 
       def scores(acc_ref):
         plgpu.wgmma(acc_ref, k_tile, q_tile.T)
         return acc_ref[...]
 
       s_t = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
-      lse = plgpu.load(lse_smem.at[slot], layout=column_layout)
-      lse = pipeline.valid_lse(lse, q_start + query_vector, q_len)
+      lse = plgpu.load(scratch.lse.at[slot], layout=column_layout)
+      lse = pipeline.valid_lse(lse, q_start + query_vector, block.q_len)
       logits, capped = numerics.logits_base2(s_t, scale=scale,
                                              soft_cap=soft_cap)
       probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [1]))
       if kind == "masked":
         seen = pipeline.query_tile_visible(mask, query_offsets, q_start,
-                                           key_ids, kv_len, offset,
-                                           *segment_tiles(slot))
+                                           key_ids, block.kv_len,
+                                           block.offset, *segment_tiles(slot))
         probs = jnp.where(seen, probs, 0.0)
 
-      plgpu.barrier_wait(do_ready.at[slot])
+      plgpu.barrier_wait(scratch.do_ready.at[slot])
 
-      def values(refs):
-        dv_ref, dp_ref = refs
-        plgpu.wgmma(dv_ref, probs.astype(dtype),
+      def values(accumulators):
+        dv_acc, dp_acc = accumulators
+        plgpu.wgmma(dv_acc, probs.astype(dtype),
                     _columns(do_tile, chunk, width, chunks))
-        plgpu.wgmma(dp_ref, v_tile, do_tile.T)
+        plgpu.wgmma(dp_acc, v_tile, do_tile.T)
 
       zeros = plgpu.layout_cast(jnp.zeros(tile_shape, jnp.float32),
                                 wgmma_layout)
       dv, dp_t = pl.run_state(values)((plgpu.ACC.init(dv),
                                        plgpu.ACC.init(zeros)))
-      delta = plgpu.load(delta_smem.at[slot], layout=column_layout)
+      delta = plgpu.load(scratch.delta.at[slot], layout=column_layout)
       ds_t = _score_gradient(probs, capped, dp_t,
                              lax.broadcast_in_dim(delta, tile_shape, [1]))
 
@@ -372,10 +468,10 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
         plgpu.wgmma(acc_ref, ds_t, _columns(q_tile, chunk, width, chunks))
 
       dk = pl.run_state(keys)(plgpu.ACC.init(dk))
-      if dq_sum_ref is not None:
+      if refs.dq_sum is not None:
         add_query_gradient(ds_t, q_tile_index * block_q,
-                           block.kv_head * group + head_step)
-      plgpu.barrier_arrive(consumed.at[slot])
+                           kv_head * group + head_step)
+      plgpu.barrier_arrive(scratch.consumed.at[slot])
       return dk, dv
 
     def add_query_gradient(ds_t, q_start, head):
@@ -383,7 +479,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
       memory (the product needs it transposed, as wgmma's left operand),
       the float32 product through staging tiles and TMA reduce-adds, in
       column chunks of DQ_SUM_COLUMNS (registers: dK and dV are live)."""
-      ds_tile = dq_smem[0].at[row_group]
+      ds_tile = scratch.ds.at[row_group]
       ds_tile[...] = ds_t
       plgpu.commit_smem()
       num_chunks = head_dim // DQ_SUM_COLUMNS
@@ -399,17 +495,17 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
         # This chunk's previous reduce-add (num_chunks copies ago) must
         # have read its staging tile.
         plgpu.wait_smem_to_gmem(num_chunks - 1, wait_read_only=True)
-        stage = dq_smem[1].at[row_group, c]
-        stage[...] = dq
+        dq_tile = scratch.dq_stage.at[row_group, c]
+        dq_tile[...] = dq
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
-            stage, dq_sum_ref.at[batch, pl.ds(q_start, block_q), head,
-                                 columns],
+            dq_tile, refs.dq_sum.at[batch, pl.ds(q_start, block_q), head,
+                                    columns],
             reduction_op="add")
 
     own = pipeline.query_tiles(mask, block, k_start, block_kv, block_q,
                                _ranges(segments, "group_ranges"))
-    own = pipeline.consumer_runs(own, tiles_lo, tiles_hi)
+    own = pipeline.consumer_runs(own, block.tiles_lo, block.tiles_hi)
 
     def head_loop(head_step, carry):
       for lo, hi, kind in own:
@@ -428,8 +524,8 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     if chunks > 1:
       # The other chunk's warpgroup may still read K and V, which `stage`
       # aliases: wait for it.
-      plgpu.barrier_arrive(done)
-      plgpu.barrier_wait(done)
+      plgpu.barrier_arrive(scratch.done)
+      plgpu.barrier_wait(scratch.done)
       dk_tile, dv_tile = stage[0].at[chunk], stage[1].at[chunk]
     else:
       dk_tile, dv_tile = k_tile, v_tile
@@ -442,54 +538,54 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     plgpu.copy_smem_to_gmem(dv_tile, dv_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
-  _for_each_compute_warpgroup(wg, chunks, consumer)
+  _for_each_compute_warpgroup(block.warpgroup, chunks, consumer)
 
-  @pl.when(wg == PRODUCER)
+  @pl.when(block.warpgroup == PRODUCER)
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     for row_group in range(row_groups):
-      k_start = pipeline.row_group_start(block_start, row_group, block_kv)
+      k_start = pipeline.row_group_start(block.start, row_group, block_kv)
       rows = (batch, pl.ds(k_start, block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[row_group],
-                              kv_ready.at[row_group])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[row_group],
-                              kv_ready.at[row_group])
+      kv_ready = scratch.kv_ready.at[row_group]
+      plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[row_group],
+                              kv_ready)
+      plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[row_group],
+                              kv_ready)
       if kv_ids is not None:
         pipeline.load_ids(kv_ids, batch, k_start, block_kv, row_group,
-                          kv_ready.at[row_group])
+                          kv_ready)
 
     load_rows = pipeline.query_loader(
-        q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem, do_smem,
-        delta_smem, q_ready, do_ready, batch=batch, block_q=block_q,
-        ids=q_ids)
+        refs.q, refs.lse, refs.do, refs.delta, scratch.q, scratch.lse,
+        scratch.do, scratch.delta, scratch.q_ready, scratch.do_ready,
+        batch=batch, block_q=block_q, ids=q_ids)
 
     def load(step, slot):
       load_rows(*pipeline.group_step_rows(step, block, group, block_q), slot)
 
-    pipeline.produce(load, 0, num_steps, stages, (consumed,))
+    pipeline.produce(load, 0, block.num_steps, stages, (scratch.consumed,))
 
 
-def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
-                  kv_lengths, segment_ids: pipeline.SegmentIds | None = None,
-                  *, spec: CallSpec, block_sizes: MosaicBlockSizes):
+def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
+                  block_sizes: MosaicBlockSizes):
   """Launches the dQ and dK/dV kernels.
 
   Args:
-    query: [B, T, N, H], H in {64, 128, 256}.
-    key, value: [B, S, K, H].
-    out: the forward's output (unused: delta already holds rowsum(dO * O)).
+    operands: the call's arrays: query [B, T, N, H], H in {64, 128, 256};
+      key and value [B, S, K, H]; the lengths and segment ids where `spec`
+      has them.
     dout: the output cotangent, like query.
     lse2: the forward's base-2 lse, float32 [B, N, T] (+inf: no key).
     delta: rowsum(dO * O) (less an lse cotangent), float32 [B, N, T].
-    q_lengths, kv_lengths: int32 [B], or None without lengths.
-    segment_ids: with segments, the ids and filled lengths, else None.
     spec: the call.
     block_sizes: the tiles.
 
   Returns:
     (dq [B, T, N, H], dk [B, S, K, H], dv [B, S, K, H]) in query.dtype.
   """
-  del out
+  q_lengths, kv_lengths = pipeline.kernel_lengths(spec.mask, operands)
+  segment_ids = pipeline.segment_ids(spec.mask, operands)
+  query, key, value = operands.query, operands.key, operands.value
   batch, q_seq, num_heads, head_dim = query.shape
   kv_seq, num_kv_heads = key.shape[1], key.shape[2]
   dtype = query.dtype
@@ -514,111 +610,116 @@ def backward_call(query, key, value, out, dout, lse2, delta, q_lengths,
                 soft_cap=spec.logits_soft_cap, stages=stages,
                 row_groups=row_groups, chunks=chunks, group=group,
                 q_seq=q_seq, kv_seq=kv_seq)
-  args = (query, key, value, dout, lse2, delta, q_lengths, kv_lengths)
+  inputs = pipeline.KernelInputs(
+      q=query, k=key, v=value, do=dout, lse=lse2, delta=delta,
+      q_lengths=q_lengths, kv_lengths=kv_lengths)
   has_segments = segment_ids is not None
   # With segments, the ids come with Q (dQ, dK/dV), K (dQ) or K and V
   # (dK/dV): one more copy on their barriers.
   with_ids = int(has_segments)
 
-  def ids_scratch(own_rows: int, ring_rows: int):
-    """Shared memory of the own rows' ids (per row group) and of the
-    ring's (per slot), or () without segments."""
+  def ids_scratch(n: int, rows: int):
+    """Shared memory of n rows of segment ids, [n, rows], or None without
+    segments."""
+    return plgpu.SMEM((n, rows), jnp.int32) if has_segments else None
+
+  def with_segments(queries_own: bool, own_rows: int, ring_rows: int):
+    """`inputs` with, where the call has segments, the kernel's segment
+    operands (own_rows: rows per row group, ring_rows: per streamed
+    tile)."""
     if not has_segments:
-      return ()
-    return (plgpu.SMEM((row_groups, own_rows), jnp.int32),
-            plgpu.SMEM((stages, ring_rows), jnp.int32))
-
-  def with_optional_inputs(kernel, queries_own: bool, own_rows: int,
-                           ring_rows: int, *, no_dq_sum: bool = False):
-    """(body calling `kernel` on `args`' refs, its segment refs (or None),
-    None for its dQ sum if no_dq_sum, then the remaining refs; the operands
-    `args` and the segment arrays)."""
-    segments = ()
-    if has_segments:
-      segments = tuple(pipeline.segment_inputs(
-          segment_ids, queries_own=queries_own,
-          block_rows=row_groups * own_rows, group_rows=own_rows,
-          streamed_rows=ring_rows))
-
-    def body(*refs):
-      n, m = len(args), len(segments)
-      segment_refs = pipeline.SegmentInputs(*refs[n:n + m]) if m else None
-      kernel(*refs[:n], segment_refs, *([None] if no_dq_sum else []),
-             *refs[n + m:])
-
-    return body, args + segments
+      return inputs
+    return inputs.replace(segments=pipeline.segment_inputs(
+        segment_ids, queries_own=queries_own,
+        block_rows=row_groups * own_rows, group_rows=own_rows,
+        streamed_rows=ring_rows))
 
   block_q, block_kv = block_sizes.block_q_dq, block_sizes.block_kv_dq
-  dq_scratch = (
-      (_rows_scratch(tiles, dtype, block_q, head_dim, row_groups, chunks),
-       stats(row_groups, block_q), stats(row_groups, block_q),
-       tiles(stages, block_kv), tiles(stages, block_kv),
-       ids_scratch(block_q, block_kv)),
-      (plgpu.Barrier(num_arrivals=2 + with_ids,
-                     num_barriers=row_groups),  # Q, lse (ids).
-       plgpu.Barrier(num_arrivals=2, num_barriers=row_groups),  # dO, delta.
-       plgpu.Barrier(num_arrivals=1 + with_ids,
-                     num_barriers=stages),  # K (ids).
-       plgpu.Barrier(num_barriers=stages),  # V.
-       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
-       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)),  # Done.
+  dq_scratch = DqScratch(
+      rows=_rows_scratch(tiles, dtype, block_q, head_dim, row_groups,
+                         chunks),
+      lse=stats(row_groups, block_q),
+      delta=stats(row_groups, block_q),
+      k=tiles(stages, block_kv),
+      v=tiles(stages, block_kv),
+      q_ids=ids_scratch(row_groups, block_q),
+      kv_ids=ids_scratch(stages, block_kv),
+      q_ready=plgpu.Barrier(num_arrivals=2 + with_ids,
+                            num_barriers=row_groups),  # Q, lse (ids).
+      do_ready=plgpu.Barrier(num_arrivals=2,
+                             num_barriers=row_groups),  # dO, delta.
+      k_ready=plgpu.Barrier(num_arrivals=1 + with_ids,
+                            num_barriers=stages),  # K (ids).
+      v_ready=plgpu.Barrier(num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
+                             num_barriers=stages),
+      done=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
   )
   atomic_dq = block_sizes.atomic_dq
+  operand_arrays = jax.tree.leaves(inputs)
   if not atomic_dq:
-    kernel, operands = with_optional_inputs(
-        functools.partial(dq_kernel, block_q=block_q, block_kv=block_kv,
-                          **common), True, block_q, block_kv)
     dq = pipeline.launch(
-        kernel, dq_scratch,
-        out_type=sharding.output_struct(query.shape, dtype, *args),
+        functools.partial(dq_kernel, block_q=block_q, block_kv=block_kv,
+                          **common),
+        dq_scratch, with_segments(True, block_q, block_kv),
+        out_type=sharding.output_struct(query.shape, dtype,
+                                        *operand_arrays),
         **pipeline.tile_grid(
             pl.cdiv(q_seq, row_groups * block_q), num_heads, batch,
             tile_axis="q_tiles", mask=spec.mask,
             streamed_bytes=2 * key.size * key.dtype.itemsize),
-        num_threads=COMPUTE_WARPGROUPS + 1, args=operands)
+        num_threads=COMPUTE_WARPGROUPS + 1)
 
   block_q, block_kv = block_sizes.block_q_dkv, block_sizes.block_kv_dkv
-  dkv_scratch = (
-      (_rows_scratch(tiles, dtype, block_kv, head_dim, row_groups, chunks),
-       tiles(stages, block_q), tiles(stages, block_q),
-       stats(stages, block_q), stats(stages, block_q),
-       ids_scratch(block_kv, block_q),
-       # atomic_dq: per row group, dS^T and the float32 dQ staging tile.
-       ((plgpu.SMEM((row_groups, block_kv, block_q), dtype,
-                    transforms=transforms),
-         plgpu.SMEM((row_groups, head_dim // DQ_SUM_COLUMNS, block_q,
-                     DQ_SUM_COLUMNS), jnp.float32,
-                    transforms=smem_transforms(jnp.float32)))
-        if atomic_dq else ())),
-      (plgpu.Barrier(num_arrivals=2 + with_ids,
-                     num_barriers=row_groups),  # K, V (ids).
-       plgpu.Barrier(num_arrivals=2 + with_ids,
-                     num_barriers=stages),  # Q, lse (ids).
-       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # dO, delta.
-       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
-       plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS)),  # Done.
+  dkv_scratch = DkvScratch(
+      rows=_rows_scratch(tiles, dtype, block_kv, head_dim, row_groups,
+                         chunks),
+      q=tiles(stages, block_q),
+      do=tiles(stages, block_q),
+      lse=stats(stages, block_q),
+      delta=stats(stages, block_q),
+      kv_ids=ids_scratch(row_groups, block_kv),
+      q_ids=ids_scratch(stages, block_q),
+      ds=(plgpu.SMEM((row_groups, block_kv, block_q), dtype,
+                     transforms=transforms)
+          if atomic_dq else None),
+      dq_stage=(plgpu.SMEM((row_groups, head_dim // DQ_SUM_COLUMNS, block_q,
+                            DQ_SUM_COLUMNS), jnp.float32,
+                           transforms=smem_transforms(jnp.float32))
+                if atomic_dq else None),
+      kv_ready=plgpu.Barrier(num_arrivals=2 + with_ids,
+                             num_barriers=row_groups),  # K, V (ids).
+      q_ready=plgpu.Barrier(num_arrivals=2 + with_ids,
+                            num_barriers=stages),  # Q, lse (ids).
+      do_ready=plgpu.Barrier(num_arrivals=2,
+                             num_barriers=stages),  # dO, delta.
+      consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
+                             num_barriers=stages),
+      done=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
   )
-  kv_struct = sharding.output_struct(key.shape, dtype, *args)
-  kernel, operands = with_optional_inputs(
-      functools.partial(dkv_kernel, block_q=block_q, block_kv=block_kv,
-                        **common), False, block_kv, block_q,
-      no_dq_sum=not atomic_dq)
+  kv_struct = sharding.output_struct(key.shape, dtype, *operand_arrays)
+  dkv_inputs = with_segments(False, block_kv, block_q)
   launch_dkv = functools.partial(
-      pipeline.launch, kernel, dkv_scratch,
+      pipeline.launch,
+      functools.partial(dkv_kernel, block_q=block_q, block_kv=block_kv,
+                        **common),
+      dkv_scratch,
       **pipeline.tile_grid(
           pl.cdiv(kv_seq, row_groups * block_kv), num_kv_heads, batch,
           tile_axis="kv_tiles", mask=spec.mask,
           streamed_bytes=2 * query.size * query.dtype.itemsize),
       num_threads=COMPUTE_WARPGROUPS + 1)
   if not atomic_dq:
-    dk, dv = launch_dkv(out_type=(kv_struct, kv_struct), args=operands)
+    dk, dv = launch_dkv(dkv_inputs, out_type=(kv_struct, kv_struct))
     return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]
 
   # The reduce-adds need a zeroed buffer that the kernel writes in place: a
   # state ref of `run_state` (discharged here, into a buffer aliased by the
   # kernel call), with dK and dV as refs beside it.
   def run(refs):
-    launch_dkv(out_type=(), args=operands + tuple(refs))
+    dq_sum, dk, dv = refs
+    launch_dkv(dkv_inputs.replace(dq_sum=dq_sum), out_type=(),
+               outputs=(dk, dv))
 
   dq_sum, dk, dv = pl.run_state(run)((
       jnp.zeros(query.shape, jnp.float32), jnp.zeros(key.shape, dtype),

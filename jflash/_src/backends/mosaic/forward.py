@@ -47,8 +47,11 @@ sink).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
+import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -60,6 +63,7 @@ from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.spec import CallSpec
 from jflash._src.spec import MaskSpec
+from jflash._src.spec import Operands
 
 # Warpgroups of a block: two consumers, then the producer.
 COMPUTE_WARPGROUPS = 2
@@ -81,45 +85,114 @@ def smem_transforms(dtype) -> tuple:
   return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(swizzle))
 
 
-def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
-                   sinks_ref, segments, out_ref, lse_ref, scratch, *,
-                   mask: MaskSpec, scale: float, soft_cap: float | None,
-                   block_sizes: MosaicBlockSizes, group: int, q_seq: int,
-                   kv_seq: int,
-                   persistent: pipeline.PersistentGrid | None = None):
-  """The kernel; `segments`: a `pipeline.SegmentInputs` of refs, or None.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardScratch:
+  """The forward kernel's shared memory and barriers: types on the host
+  (`forward_scratch`), refs in the kernel. The fields are in allocation
+  order (the order of the refs in the kernel's jaxpr).
 
-  persistent: a persistent launch (grid axis "programs"; calls whose key
-  tiles do not depend on the block, see `forward_call`): each program
-  computes its items one after the other, the ring running on across them.
-  Else one block per grid point ("q_tiles", "heads", "batch").
+  Attributes:
+    qo: [2, block_q, H]: each consumer's Q tile, then its output tile.
+    k, v: the K and V rings, [stages, block_kv, H].
+    lse: float32 [2, block_q]: each consumer's lse, for its store.
+    q_ids: with segments, int32 [2, block_q]: each consumer's rows' ids;
+      else None.
+    kv_ids: with segments, int32 [stages, block_kv]: the ring of the key
+      tiles' ids; else None.
+    q_ready: per consumer: its Q tile (and ids) loaded.
+    k_ready, v_ready: per slot: its K tile (and ids), its V tile loaded.
+    k_consumed, v_consumed: per slot: both consumers are done with its K,
+      its V.
+    schedule: the consumers' ping-pong (two arrivals).
   """
-  (qo_smem, k_smem, v_smem, lse_smem, ids_smem), barriers = scratch
-  (q_ready, k_ready, v_ready, k_consumed, v_consumed,
-   schedule) = barriers
+
+  qo: Any
+  k: Any
+  v: Any
+  lse: Any
+  q_ids: Any
+  kv_ids: Any
+  q_ready: Any
+  k_ready: Any
+  v_ready: Any
+  k_consumed: Any
+  v_consumed: Any
+  schedule: Any
+
+
+def forward_scratch(dtype, head_dim: int, block_sizes: MosaicBlockSizes, *,
+                    has_segments: bool) -> ForwardScratch:
+  """The `ForwardScratch` types of a launch."""
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
   stages = block_sizes.num_stages
-  head_dim = q_ref.shape[3]
-  dtype = q_ref.dtype
+  transforms = smem_transforms(dtype)
+  # The segment ids come with Q and K: one more copy on their barriers.
+  with_ids = 2 if has_segments else 1
+  return ForwardScratch(
+      qo=plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype,
+                    transforms=transforms),
+      k=plgpu.SMEM((stages, block_kv, head_dim), dtype,
+                   transforms=transforms),
+      v=plgpu.SMEM((stages, block_kv, head_dim), dtype,
+                   transforms=transforms),
+      lse=plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),
+      q_ids=(plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.int32)
+             if has_segments else None),
+      kv_ids=(plgpu.SMEM((stages, block_kv), jnp.int32)
+              if has_segments else None),
+      q_ready=plgpu.Barrier(num_arrivals=with_ids,
+                            num_barriers=COMPUTE_WARPGROUPS),
+      k_ready=plgpu.Barrier(num_arrivals=with_ids, num_barriers=stages),
+      v_ready=plgpu.Barrier(num_barriers=stages),
+      k_consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
+                               num_barriers=stages),
+      v_consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
+                               num_barriers=stages),
+      schedule=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+  )
+
+
+def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
+                   scratch: ForwardScratch, *, mask: MaskSpec, scale: float,
+                   soft_cap: float | None, block_sizes: MosaicBlockSizes,
+                   group: int, q_seq: int, kv_seq: int,
+                   persistent: pipeline.PersistentGrid | None = None):
+  """The kernel.
+
+  Args:
+    refs: q, k, v, q_lengths, kv_lengths, and sinks and segments where the
+      call has them.
+    out_ref, lse_ref: the outputs, [B, T', N, H] and float32 [B, N, T''].
+    scratch: the block's shared memory and barriers.
+    persistent: a persistent launch (grid axis "programs"; calls whose key
+      tiles do not depend on the block, see `forward_call`): each program
+      computes its items one after the other, the ring running on across
+      them. Else one block per grid point ("q_tiles", "heads", "batch").
+  """
+  block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
+  stages = block_sizes.num_stages
+  head_dim = refs.q.shape[3]
+  dtype = refs.q.dtype
   block_rows = COMPUTE_WARPGROUPS * block_q
   wg = lax.axis_index("wg")
+  segments = refs.segments
 
   def block_at(position=None):
     return pipeline.query_block(
-        mask, q_lengths_ref, kv_lengths_ref, q_seq=q_seq, kv_seq=kv_seq,
+        mask, refs.q_lengths, refs.kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
         block_rows=block_rows, block_kv=block_kv,
         ranges_ref=None if segments is None else segments.block_ranges,
         position=position)
 
   # With segments: the rows' ids (one row per consumer) and the ring of the
   # key tiles' ids, each loaded with its Q or K tile.
-  q_ids, kv_ids = ((None, None) if segments is None else
-                   ((segments.own_ids, ids_smem[0]),
-                    (segments.streamed_ids, ids_smem[1])))
+  q_ids, kv_ids = pipeline.segment_sources(segments, scratch.q_ids,
+                                           scratch.kv_ids)
 
   def take_turn():
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
+    plgpu.barrier_arrive(scratch.schedule)
+    plgpu.barrier_wait(scratch.schedule)
 
   def over_items(run_block):
     """Persistent kernels: run_block(block, base) on each block of this
@@ -145,17 +218,17 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     step `base` of the ring (0 but in persistent kernels), `first` and
     `last`: whether it is the consumer's first and last block (bools, or
     traced in persistent kernels)."""
-    (batch, head, _, block_start, q_len, kv_len, offset, steps_lo,
-     steps_hi) = block
-    slot_of = functools.partial(pipeline.slot_of, lo=steps_lo - base,
+    batch, head = block.batch, block.head
+    slot_of = functools.partial(pipeline.slot_of, lo=block.steps_lo - base,
                                 stages=stages)
-    q_start = pipeline.row_group_start(block_start, wg, block_q)
-    q_tile = qo_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head],
-                            q_tile, q_ready.at[wg])
+    q_start = pipeline.row_group_start(block.start, wg, block_q)
+    q_tile = scratch.qo.at[wg]
+    q_ready = scratch.q_ready.at[wg]
+    plgpu.copy_gmem_to_smem(refs.q.at[batch, pl.ds(q_start, block_q), head],
+                            q_tile, q_ready)
     if q_ids is not None:
-      pipeline.load_ids(q_ids, batch, q_start, block_q, wg, q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
+      pipeline.load_ids(q_ids, batch, q_start, block_q, wg, q_ready)
+    plgpu.barrier_wait(q_ready)
     row_segments = (None if q_ids is None
                     else pipeline.ids_vector(q_ids[1].at[wg], 0))
 
@@ -174,24 +247,24 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     def step(kv_step, carry, *, kind: str):
       acc, row_max, row_sum = carry
       slot = slot_of(kv_step)
-      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(scratch.k_ready.at[slot])
       if kind == "skip":
         # Outside this warpgroup's rows: keep the barriers' phases and the
         # ping-pong in step with the other consumer, compute nothing.
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        plgpu.barrier_wait(v_ready.at[slot])
-        plgpu.barrier_arrive(v_consumed.at[slot])
+        plgpu.barrier_arrive(scratch.k_consumed.at[slot])
+        plgpu.barrier_wait(scratch.v_ready.at[slot])
+        plgpu.barrier_arrive(scratch.v_consumed.at[slot])
         take_turn()
         take_turn()
         return carry
 
       def scores(acc_ref):
-        plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
+        plgpu.wgmma(acc_ref, q_tile, scratch.k.at[slot].T)
         take_turn()
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
-      plgpu.barrier_arrive(k_consumed.at[slot])
+      plgpu.barrier_arrive(scratch.k_consumed.at[slot])
 
       # Base-2 logits; without a cap or mask the scale is applied to the
       # row max (one multiply per row) and fused into the exponent.
@@ -204,8 +277,8 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
         logits, _ = numerics.logits_base2(s, scale=scale, soft_cap=soft_cap)
         if kind == "masked":
           seen = pipeline.key_tile_visible(
-              mask, rows, columns, kv_step, block_kv, kv_len, offset,
-              *segment_tiles(slot))
+              mask, rows, columns, kv_step, block_kv, block.kv_len,
+              block.offset, *segment_tiles(slot))
           logits = jnp.where(seen, logits, numerics.MASK_VALUE)
         new_max = jnp.maximum(row_max, logits.max(axis=1))
         probs = jnp.exp2(logits - lax.broadcast_in_dim(new_max, tile_shape,
@@ -218,22 +291,24 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
       acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
       row_sum = row_sum * correction + probs.sum(axis=1)
       probs = probs.astype(dtype)
-      plgpu.barrier_arrive(schedule)  # This warpgroup's softmax is done.
-      plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_wait(schedule)  # The other one has issued its QK^T.
+      # This warpgroup's softmax is done.
+      plgpu.barrier_arrive(scratch.schedule)
+      plgpu.barrier_wait(scratch.v_ready.at[slot])
+      # The other one has issued its QK^T.
+      plgpu.barrier_wait(scratch.schedule)
 
       def accumulate(acc_ref):
-        plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+        plgpu.wgmma(acc_ref, probs, scratch.v.at[slot])
 
       acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_consumed.at[slot])
+      plgpu.barrier_arrive(scratch.v_consumed.at[slot])
       return acc, new_max, row_sum
 
     # Row max and row sum: nothing seen yet; with a sink, one key of logit
     # `sink` that adds no value (max = sink, sum = 1; modifiers.py).
     start_max, start_sum = numerics.MASK_VALUE, 0.0
-    if sinks_ref is not None:
-      start_max, start_sum = sinks_ref[batch, head] * numerics.LOG2_E, 1.0
+    if refs.sinks is not None:
+      start_max, start_sum = refs.sinks[batch, head] * numerics.LOG2_E, 1.0
     carry = (
         plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
                           wgmma_layout),
@@ -248,7 +323,8 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     # The second consumer starts one turn later: from then on the two
     # alternate between matrix products and softmax.
     pl.when(_and(wg == 1, first))(take_turn)
-    for lo, hi, kind in pipeline.consumer_runs(own, steps_lo, steps_hi):
+    for lo, hi, kind in pipeline.consumer_runs(own, block.steps_lo,
+                                               block.steps_hi):
       carry = lax.fori_loop(lo, hi, functools.partial(step, kind=kind),
                             carry)
     pl.when(_and(wg == 0, last))(take_turn)
@@ -258,17 +334,17 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
     # are exact zeros); rows past q_len have none.
     row_ids = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0,
                                                layout=row_layout)
-    has_keys = jnp.logical_and(row_sum > 0.0, row_ids < q_len)
+    has_keys = jnp.logical_and(row_sum > 0.0, row_ids < block.q_len)
     safe_sum = jnp.where(has_keys, row_sum, 1.0)
     inverse = jnp.where(has_keys, 1.0 / safe_sum, 0.0)
     out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
     lse = jnp.where(has_keys, row_max + jnp.log2(safe_sum), jnp.inf)
     q_tile[...] = out.astype(dtype)
-    lse_smem.at[wg][...] = lse
+    scratch.lse.at[wg][...] = lse
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile,
                             out_ref.at[batch, pl.ds(q_start, block_q), head])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+    plgpu.copy_smem_to_gmem(scratch.lse.at[wg],
                             lse_ref.at[batch, head, pl.ds(q_start, block_q)])
 
   @pl.when(wg < COMPUTE_WARPGROUPS)
@@ -295,18 +371,21 @@ def forward_kernel(q_ref, k_ref, v_ref, q_lengths_ref, kv_lengths_ref,
 
     def loader(block: pipeline.QueryBlock):
       return pipeline.key_value_loader(
-          k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, batch=block.batch,
+          refs.k, refs.v, scratch.k, scratch.v, scratch.k_ready,
+          scratch.v_ready, batch=block.batch,
           kv_head=pipeline.kv_head_of(block.head, group), block_kv=block_kv,
           ids=kv_ids)
+
+    consumed = (scratch.k_consumed, scratch.v_consumed)
 
     if persistent is None:
       block = block_at()
       pipeline.produce(loader(block), block.steps_lo, block.steps_hi, stages,
-                       (k_consumed, v_consumed))
+                       consumed)
       return
     over_items(lambda block, base: pipeline.produce_continuing(
         loader(block), block.steps_lo, block.steps_hi, base, stages,
-        (k_consumed, v_consumed)))
+        consumed))
 
 
 def is_persistent(mask: MaskSpec) -> bool:
@@ -331,64 +410,37 @@ def pad_rows(x, multiple: int):
   return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
 
 
-def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None,
-                 segment_ids: pipeline.SegmentIds | None = None, *,
-                 spec: CallSpec, block_sizes: MosaicBlockSizes,
+def forward_call(operands: Operands, *, spec: CallSpec,
+                 block_sizes: MosaicBlockSizes,
                  persistent: bool | None = None):
   """Launches the forward kernel.
 
   Args:
-    query: [B, T, N, H], H a multiple of 64.
-    key, value: [B, S, K, H].
-    q_lengths, kv_lengths: int32 [B], or None without lengths.
-    sinks: float32 [B, N] natural-log sink logits, or None.
-    segment_ids: with segments, the ids and filled lengths, else None.
+    operands: the call's arrays: query [B, T, N, H], H a multiple of 64;
+      key and value [B, S, K, H]; the lengths, segment ids and sinks
+      (float32 [B, N] natural-log sink logits) where `spec` has them.
     spec: the call.
+    block_sizes: the tiles.
     persistent: whether to launch a persistent kernel; None: where
       `is_persistent` allows (True there only, for comparisons).
-    block_sizes: the tiles.
 
   Returns:
     (out [B, T, N, H] in query.dtype, lse2 float32 [B, N, T]).
   """
+  q_lengths, kv_lengths = pipeline.kernel_lengths(spec.mask, operands)
+  segment_ids = pipeline.segment_ids(spec.mask, operands)
+  query, key = operands.query, operands.key
   batch, q_seq, num_heads, head_dim = query.shape
   kv_seq, num_kv_heads = key.shape[1:3]
   dtype = query.dtype
   query = pad_rows(query, SEQ_ALIGN)
-  key, value = pad_rows(key, SEQ_ALIGN), pad_rows(value, SEQ_ALIGN)
+  key = pad_rows(key, SEQ_ALIGN)
+  value = pad_rows(operands.value, SEQ_ALIGN)
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
-  stages = block_sizes.num_stages
   if q_lengths is None:
     q_lengths = kv_lengths = jnp.zeros((batch,), jnp.int32)  # Unread.
-  transforms = smem_transforms(dtype)
-  has_segments = segment_ids is not None
-  # The segment ids come with Q and K: one more copy on their barriers.
-  with_ids = 2 if has_segments else 1
-  scratch = (
-      (
-          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), dtype,
-                     transforms=transforms),
-          plgpu.SMEM((stages, block_kv, head_dim), dtype,
-                     transforms=transforms),
-          plgpu.SMEM((stages, block_kv, head_dim), dtype,
-                     transforms=transforms),
-          plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),
-          ((plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.int32),
-            plgpu.SMEM((stages, block_kv), jnp.int32))
-           if has_segments else ()),
-      ),
-      (
-          plgpu.Barrier(num_arrivals=with_ids,
-                        num_barriers=COMPUTE_WARPGROUPS),
-          plgpu.Barrier(num_arrivals=with_ids, num_barriers=stages),
-          plgpu.Barrier(num_barriers=stages),
-          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
-                        num_barriers=stages),
-          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
-                        num_barriers=stages),
-          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
-      ),
-  )
+  scratch = forward_scratch(dtype, head_dim, block_sizes,
+                            has_segments=segment_ids is not None)
   num_tiles = pl.cdiv(q_seq, COMPUTE_WARPGROUPS * block_q)
   if persistent and not is_persistent(spec.mask):
     raise ValueError(f"persistent=True needs a mask without window, lengths "
@@ -404,26 +456,23 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None,
       group=num_heads // num_kv_heads, q_seq=q_seq, kv_seq=kv_seq,
       persistent=persistent)
   segments = None
-  if has_segments:
+  if segment_ids is not None:
     segments = pipeline.segment_inputs(
         segment_ids, queries_own=True,
         block_rows=COMPUTE_WARPGROUPS * block_q, group_rows=block_q,
         streamed_rows=block_kv)
-
-  def with_optional_inputs(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref,
-                           *refs):
-    *optional, out_ref, lse_ref, scoped = refs
-    sinks_ref, segment_refs = pipeline.split_optional(
-        optional, sinks is not None, has_segments)
-    kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, sinks_ref,
-           segment_refs, out_ref, lse_ref, scoped)
+  sinks = operands.sinks
+  inputs = pipeline.KernelInputs(
+      q=query, k=key, v=value, q_lengths=q_lengths, kv_lengths=kv_lengths,
+      sinks=None if sinks is None else sinks.astype(jnp.float32),
+      segments=segments)
 
   # The lse rows of the last tile are stored by a 1-D copy, which TMA
   # bounds by the whole array, not per row: past T they would land on the
   # next head's rows. Its array is padded to whole tiles instead.
   lse_seq = num_tiles * COMPUTE_WARPGROUPS * block_q
   out, lse2 = pipeline.launch(
-      with_optional_inputs, scratch,
+      kernel, scratch, inputs,
       out_type=(sharding.output_struct(query.shape, dtype, query, key),
                 sharding.output_struct((batch, num_heads, lse_seq),
                                        jnp.float32, query, key)),
@@ -432,10 +481,7 @@ def forward_call(query, key, value, q_lengths, kv_lengths, sinks=None,
                             streamed_bytes=2 * key.size * key.dtype.itemsize)
          if persistent is None
          else dict(grid=(persistent.programs,), grid_names=("programs",))),
-      num_threads=COMPUTE_WARPGROUPS + 1,
-      args=(query, key, value, q_lengths, kv_lengths,
-            *([] if sinks is None else [sinks.astype(jnp.float32)]),
-            *([] if segments is None else segments)))
+      num_threads=COMPUTE_WARPGROUPS + 1)
   if out.shape[1] != q_seq:
     out = out[:, :q_seq]
   if lse_seq != q_seq:

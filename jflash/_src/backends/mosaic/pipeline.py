@@ -14,10 +14,16 @@ a helper here rather than inline in a kernel: tests/mosaic_masking_test.py
 walks the kernels' tiles on CPU with these same helpers and checks the
 result numerically (no interpreter runs the kernels). Keep new decisions
 here too.
+
+A kernel receives its GMEM inputs as one `KernelInputs` of refs (an absent
+operand is None), and its shared memory and barriers as one scratch
+dataclass of refs (forward.ForwardScratch, backward.DqScratch and
+backward.DkvScratch); `launch` flattens both, in field order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -29,6 +35,7 @@ import jax.numpy as jnp
 
 from jflash._src import masks
 from jflash._src.spec import MaskSpec
+from jflash._src.spec import Operands
 
 
 def as_int32(x):
@@ -516,6 +523,49 @@ class SegmentInputs(NamedTuple):
   group_ranges: Any
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KernelInputs:
+  """A kernel's GMEM inputs: arrays on the host, refs in the kernel.
+
+  The host builds it of arrays and `launch` hands the kernel the same
+  structure of refs: a kernel reads `refs.sinks`, never a position in a
+  list, and an absent operand is None (no array, no ref). The fields are in
+  the order of the kernels' flattened inputs, which fixes the order of the
+  refs in the kernels' jaxprs: forward q, k, v, q_lengths, kv_lengths,
+  sinks, segments; dQ and dK/dV q, k, v, do, lse, delta, q_lengths,
+  kv_lengths, segments (and dq_sum for dK/dV with atomic_dq).
+
+  Attributes:
+    q: [B, T', N, H], T' the query length padded to SEQ_ALIGN.
+    k, v: [B, S', K, H].
+    do: the output cotangent, like q (backward kernels).
+    lse: float32 [B, N, T'], the forward's base-2 lse (backward kernels).
+    delta: float32 [B, N, T'], rowsum(dO * O) (backward kernels).
+    q_lengths, kv_lengths: int32 [B] (always present: zeros, unread,
+      without lengths).
+    sinks: float32 [B, N] natural-log sink logits (forward).
+    segments: the kernel's `SegmentInputs` (segment_inputs), or None.
+    dq_sum: float32 [B, T', N, H], zeros, that the dK/dV kernel adds each
+      tile's dQ / scale into (atomic_dq; a `pl.run_state` ref).
+  """
+
+  q: Any
+  k: Any
+  v: Any
+  do: Any = None
+  lse: Any = None
+  delta: Any = None
+  q_lengths: Any = None
+  kv_lengths: Any = None
+  sinks: Any = None
+  segments: SegmentInputs | None = None
+  dq_sum: Any = None
+
+  def replace(self, **changes) -> KernelInputs:
+    return dataclasses.replace(self, **changes)
+
+
 def _pad_ids(ids, multiple: int):
   """ids [B, L] padded with -1 to a multiple of `multiple` (positions past
   the lengths are masked whatever their ids)."""
@@ -557,13 +607,36 @@ def segment_inputs(segments: SegmentIds, *, queries_own: bool,
       block_ranges=ranges(block_rows), group_ranges=ranges(group_rows))
 
 
-def split_optional(refs, has_sinks: bool, has_segments: bool):
-  """(sinks ref or None, `SegmentInputs` of refs or None) from a kernel's
-  optional input refs, passed in that order."""
-  refs = list(refs)
-  sinks = refs.pop(0) if has_sinks else None
-  segments = SegmentInputs(*refs) if has_segments else None
-  return sinks, segments
+def kernel_lengths(mask: MaskSpec, operands: Operands):
+  """(q_lengths, kv_lengths) for the kernels: None without lengths (the
+  kernels then use the static array lengths)."""
+  if not mask.has_lengths:
+    return None, None
+  return operands.lengths()
+
+
+def segment_ids(mask: MaskSpec, operands: Operands) -> SegmentIds | None:
+  """The call's `SegmentIds` (ids and filled lengths), or None without
+  segments."""
+  if not mask.has_segments:
+    return None
+  return SegmentIds(operands.q_segment_ids, operands.kv_segment_ids,
+                    *operands.lengths())
+
+
+def segment_sources(segments: SegmentInputs | None, own_smem, streamed_smem):
+  """((own ids in GMEM, their shared memory), (streamed ids, their ring)),
+  the `ids` of the loaders, of a kernel with segments, else (None, None).
+
+  Args:
+    segments: the kernel's `SegmentInputs` of refs, or None.
+    own_smem: shared memory of the own rows' ids, one row per row group.
+    streamed_smem: the ring of the streamed tiles' ids, one row per slot.
+  """
+  if segments is None:
+    return None, None
+  return ((segments.own_ids, own_smem),
+          (segments.streamed_ids, streamed_smem))
 
 
 def segment_range(ranges_ref, batch) -> masks.SegmentRange | None:
@@ -625,20 +698,35 @@ def key_tile_segment_ids(row_segments, ring, slot, tile_shape) -> tuple:
           ids_tile(ids_vector(ring.at[slot], 1), tile_shape, 1))
 
 
-def launch(kernel, scratch, *, out_type, grid, grid_names, num_threads: int,
-           args):
-  """Runs kernel(*in_refs, *out_refs, scratch) over `grid`, with
-  `num_threads` warpgroups (thread axis "wg") sharing the scoped `scratch`
-  (shared memory and barriers). Blocks start in row-major order of `grid`
-  (see `tile_grid`).
+def launch(kernel, scratch, inputs: KernelInputs, *, out_type, grid,
+           grid_names, num_threads: int, outputs: tuple = ()):
+  """Runs kernel(input_refs, *output_refs, scratch_refs) over `grid`.
+
+  Blocks start in row-major order of `grid` (see `tile_grid`).
+
+  Args:
+    kernel: the kernel; it gets `inputs` as a `KernelInputs` of GMEM refs,
+      then the output refs, then `scratch` of refs.
+    scratch: the kernel's scratch dataclass of shared-memory and barrier
+      types, allocated per block and shared by its `num_threads`
+      warpgroups (thread axis "wg").
+    inputs: the kernel's `KernelInputs` of arrays.
+    out_type: the outputs' types (their refs follow the inputs').
+    grid, grid_names: the launch's grid.
+    num_threads: warpgroups per block.
+    outputs: refs (of a `pl.run_state`) that the kernel writes in place,
+      passed after the inputs as its output refs (then out_type=()).
   """
+  flat_inputs, tree = jax.tree.flatten(inputs)
 
   def body(*refs):
-    pl.run_scoped(lambda *scoped: kernel(*refs, scoped), *scratch,
-                  collective_axes="wg")
+    input_refs = jax.tree.unflatten(tree, refs[:len(flat_inputs)])
+    output_refs = refs[len(flat_inputs):]
+    pl.run_scoped(lambda scoped: kernel(input_refs, *output_refs, scoped),
+                  scratch, collective_axes="wg")
 
   return plgpu.kernel(
       body, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=num_threads, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(*args)
+  )(*flat_inputs, *outputs)
