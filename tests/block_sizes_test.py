@@ -46,7 +46,7 @@ class BlockSizesTest(parameterized.TestCase):
   def test_default_tiles_fit_shared_memory(self, head_dim, dtype,
                                            device_kind, dense_itemsize):
     # float32 with the 16-bit tiles (128x128, 3 stages, D=128) asks for
-    # ~448 KiB and failed to compile on an H200 (see WORKSPACE_NOTES.md);
+    # ~448 KiB and failed to compile on an H200 (RECORD.md, Triton round 2);
     # a dense bias's tiles on top of 128x128 bf16 tiles asked 288 KiB on an
     # H100 (dense_itemsize=5: a float32 bias and a mask).
     sizes = jflash.default_block_sizes(
@@ -87,7 +87,7 @@ class BlockSizesTest(parameterized.TestCase):
 
   def test_hopper_defaults_are_the_measured_best(self):
     # bf16, D=128 on an H200: forward 128x128, 8 warps, 3 stages; backward
-    # 64x64 tiles, 4 warps, 2 stages (WORKSPACE_NOTES.md, tile sweeps).
+    # 64x64 tiles, 4 warps, 2 stages (RECORD.md, H200 tile sweeps).
     sizes = jflash.default_block_sizes(
         q_len=8192, kv_len=8192, head_dim=128, dtype="bfloat16",
         is_causal=True, device_kind="NVIDIA H200")
