@@ -58,7 +58,7 @@ class BlockSizesTest(parameterized.TestCase):
 
   def test_hopper_defaults_are_the_measured_best(self):
     # bf16, D=128 on an H200: forward 128x128, 8 warps, 3 stages; backward
-    # 64x64 tiles, 4 warps, 2 stages (WORKSPACE_NOTES.md, tile sweeps).
+    # 64x64 tiles, 4 warps, 2 stages (RECORD.md, H200 tile sweeps).
     sizes = jflash.default_block_sizes(
         q_len=8192, kv_len=8192, head_dim=128, dtype="bfloat16",
         is_causal=True, device_kind="NVIDIA H200")

@@ -4,7 +4,7 @@ JAX 0.11 deprecated the Pallas Triton backend and warns (DeprecationWarning)
 each time a Triton kernel is lowered, i.e. at every compilation of every
 jitted function that calls jflash. The warning is addressed to kernel authors
 (us), not to our users, and the plan for a JAX without the backend lives in
-WORKSPACE_NOTES.md. jflash therefore installs one narrow filter, matching this
+docs/DESIGN.md. jflash therefore installs one narrow filter, matching this
 message only, when it is imported. Set JFLASH_SHOW_TRITON_DEPRECATION=1 in the
 environment before importing jflash to keep the warning.
 """

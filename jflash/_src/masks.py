@@ -212,7 +212,7 @@ def query_blocks_for_key_block(
   # Always traced bounds here (the dK/dV kernel reads the lengths from
   # memory): with static or literal bounds, this loop, nested in the loop over
   # GQA heads, hit a Pallas Triton lowering failure on JAX 0.11.2 ('i1' vs
-  # 'i32' in the while-loop body). See WORKSPACE_NOTES.md.
+  # 'i32' in the while-loop body). See RECORD.md, 2026-11-22, Triton round 2.
   stop = _cdiv(q_len, block_q)
   if mask.is_causal:
     # Row r sees column c only if r + offset >= c: rows before

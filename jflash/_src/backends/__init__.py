@@ -1,6 +1,6 @@
 """The registered backends, in priority order (registry.py).
 
-To add a backend: see "How to add a backend" in WORKSPACE_NOTES.md.
+To add a backend: see "How to add a backend" in docs/DESIGN.md.
 """
 
 from jflash._src import registry

@@ -102,7 +102,7 @@ class MosaicBlockSizes:
 
 def default_block_sizes(head_dim: int, itemsize: int = 2
                         ) -> MosaicBlockSizes:
-  """The tiles by head dim (H100, 2026-11-23/24, WORKSPACE_NOTES.md).
+  """The tiles by head dim (H100, 2026-11-23/24, benchmarks/results/RECORD.md).
 
   Forward: 64x128 with 2 stages (the best of the sweep at D=64 and 128),
   64x64 at D=256 (only it fits). Backward: 64-row tiles at D=128 (wider

@@ -142,7 +142,7 @@ def backward_shared_memory(block_q_dkv: int, block_k_dkv: int,
 
 
 # Preference lists, best first. The first entry of each 16-bit list is the
-# best point measured on an H200 (WORKSPACE_NOTES.md); later entries are
+# best point measured on an H200 (RECORD.md, Triton rounds); later entries are
 # smaller fallbacks for devices with less shared memory (not yet measured).
 # Forward: (block_q, block_k, num_warps, num_stages).
 _FORWARD_PREFERENCES = {
@@ -176,7 +176,7 @@ _BACKWARD_PREFERENCES = {
 # 32 x 512 x 16 heads: 64x64 w4 s3 gives 287 / 156 TFLOP/s (non-causal /
 # causal) at D=128 against 240 / 136 for 128x128 w8 s3, and 250 / 138 against
 # 194 / 95 at D=64; at N=1024 128x128 is as good or better
-# (WORKSPACE_NOTES.md, 2026-11-22).
+# (benchmarks/results/RECORD.md, 2026-11-22).
 _SHORT_SEQUENCE = 512
 _SHORT_FORWARD = (64, 64, 4, 3)
 # Causal, 16-bit, 64 < D <= 128, longest length in (512, 2048]: narrow key

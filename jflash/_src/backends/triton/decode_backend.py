@@ -7,7 +7,7 @@ separately (the Triton kernels).
 `implementation=None` chooses it, ahead of the training kernels, for the
 calls it supports with at least `default_min_kv_len` (2048) keys (its
 Capabilities below). Measured on an
-H100 (WORKSPACE_NOTES.md, issue 12; T=1, bf16, D=128, bottom-right causal
+H100 (RECORD.md, "Decode on H100"; T=1, bf16, D=128, bottom-right causal
 with kv lengths): 2.3-5.9x faster than the Triton and Mosaic training
 kernels on GQA caches of 4k-32k keys, within 2-8% of them on MHA at 2048
 keys, and all within launch noise below 2048 keys.

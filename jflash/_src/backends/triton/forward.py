@@ -1,7 +1,7 @@
 """Forward kernel: tiled attention with online softmax (FlashAttention-2).
 
 Limitations: the Pallas Triton backend (deprecated since JAX 0.11, see
-WORKSPACE_NOTES.md); head_dim <= 256; float32, bfloat16 and float16 inputs.
+docs/DESIGN.md); head_dim <= 256; float32, bfloat16 and float16 inputs.
 
 Layout: q [batch, q_len, num_heads, head_dim], k/v [batch, kv_len,
 num_kv_heads, head_dim]. One program computes one query tile of one
@@ -160,7 +160,7 @@ def forward_kernel(
 # every head's K/V, which no longer stays in L2, so from
 # `CAUSAL_TILE_MAJOR_KV_LEN` keys on the grid is (query tile, batch, head)
 # again: the programs in flight mostly share one head's K/V. H200, bf16,
-# B=1, H=16, D=128, causal (WORKSPACE_NOTES.md, 2026-11-23), head-major
+# B=1, H=16, D=128, causal (RECORD.md, 2026-11-23, round 4), head-major
 # against tile-major forward TFLOP/s: 408 vs 375 at N=8192, 442 vs 447 at
 # 16384, 442 vs 458 at 32768, 422 vs 455 at 65536, 397 vs 470 at 131072
 # (fwd+bwd 327 vs 387); at B=2, N=8192: 418 vs 395.
