@@ -206,15 +206,23 @@ def generate(step, cache, params, prompts, prompt_lens, total_lens,
           generated / max(seconds, 1e-9))
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      epilog="Sizes: GPU ones on a GPU, small ones elsewhere, --tiny for "
+      "tests.")
   parser.add_argument("--tiny", action="store_true",
                       help="tiny sizes (seconds on CPU)")
   parser.add_argument("--interpret", action="store_true",
                       help="jflash's kernels through the Pallas interpreter "
                       "(CPU; keep --tiny)")
-  parser.add_argument("--seed", type=int, default=0)
-  return parser.parse_args(argv)
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the weights, prompts and lengths")
+  return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

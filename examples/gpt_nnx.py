@@ -262,31 +262,50 @@ def generate(model: GPT, prompt: str, num_tokens: int, key: jax.Array,
           jnp.stack(logits_per_step))
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      epilog="Sizes left out take the GPU defaults on a GPU, CPU ones "
+      "elsewhere, or --tiny's. Progress bars appear only when stderr is a "
+      "terminal.")
   parser.add_argument("--attention", choices=("jflash", "flax"),
-                      default="jflash")
+                      default="jflash",
+                      help="jflash.nnx.FlashMultiHeadAttention or Flax's "
+                      "stock nnx.MultiHeadAttention (default: %(default)s)")
   parser.add_argument("--interpret", action="store_true",
                       help="run jflash's Pallas kernels through the "
                       "interpreter (any backend; slow)")
   parser.add_argument("--tiny", action="store_true",
                       help="a few steps of a 1-layer model (for tests)")
-  parser.add_argument("--steps", type=int)
-  parser.add_argument("--batch", type=int)
-  parser.add_argument("--seq-len", type=int)
-  parser.add_argument("--layers", type=int)
-  parser.add_argument("--dim", type=int)
-  parser.add_argument("--heads", type=int)
+  parser.add_argument("--steps", type=int, help="training steps")
+  parser.add_argument("--batch", type=int, help="sequences per step")
+  parser.add_argument("--seq-len", type=int,
+                      help="characters per sequence (and the longest "
+                      "generation, prompt included)")
+  parser.add_argument("--layers", type=int, help="transformer blocks")
+  parser.add_argument("--dim", type=int, help="model width")
+  parser.add_argument("--heads", type=int, help="query heads")
   parser.add_argument("--kv-heads", type=int,
                       help="key/value heads (GQA); default: --heads")
-  parser.add_argument("--learning-rate", type=float)
-  parser.add_argument("--log-every", type=int)
+  parser.add_argument("--learning-rate", type=float,
+                      help="peak of the warmup-cosine schedule")
+  parser.add_argument("--log-every", type=int,
+                      help="steps between logged training and validation "
+                      "losses")
   parser.add_argument("--generate", type=int, help="tokens to generate")
-  parser.add_argument("--prompt", default="Return the ")
+  parser.add_argument("--prompt", default="Return the ",
+                      help="prompt of the generation (default: "
+                      "%(default)r)")
   parser.add_argument("--temperature", type=float, default=0.8,
-                      help="0 decodes greedily")
-  parser.add_argument("--seed", type=int, default=0)
-  return parser.parse_args(argv)
+                      help="sampling temperature; 0 decodes greedily "
+                      "(default: %(default)s)")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the parameters, batches and sampling")
+  return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -353,8 +372,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   sizes = dict(batch=args.batch, seq_len=args.seq_len)
   losses, curve = [], []
   start = time.perf_counter()
+  # A bar only on a terminal: written to a file (`> log 2>&1`), its redraws
+  # would interleave with the log lines; those go through tqdm.write, which
+  # keeps a live bar below them.
   progress = tqdm.trange(args.steps, desc="training", unit="step",
-                         file=sys.stderr)
+                         file=sys.stderr, disable=not sys.stderr.isatty())
   for step in progress:
     log = step % args.log_every == 0 or step == args.steps - 1
     if log:  # Same parameters as the training loss: before the update.

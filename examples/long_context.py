@@ -13,18 +13,24 @@ scalar loss, under `jax.jit`) of `jflash.flash_attention` and of the default
 - time: the median over a few calls on fresh random inputs, each call
   waited for with `block_until_ready`.
 
-It prints a table and saves a two-panel log-log plot to `--out`.
+It prints a table and one sentence on where jflash's benefit begins among
+the lengths it measured, and saves a two-panel log-log plot to `--out`
+(default: bench_out/long_context.png in the repository, which git ignores).
 
 Run:
   python examples/long_context.py                # GPU: N = 1k ... 32k
-  python examples/long_context.py --lengths 64 128 --out /tmp/lc.png
+  python examples/long_context.py --quick        # seconds: two lengths
+  python examples/long_context.py --lengths 512 2048 --out /tmp/lc.png
 
 The XLA path is not run where its compiled program would need more than
 `--xla-limit-gb` (default 40), or where it runs out of memory; its memory is
-still reported where it compiled. Without a GPU the script falls
-back to N = 64 ... 512 and runs jflash's Pallas kernels through the
-interpreter (`interpret=True`), so its times there measure the interpreter,
-not the kernels; the memory comparison still holds.
+still reported where it compiled. Without a GPU the script falls back to
+N = 128 ... 2048 (under a minute; --quick: N = 128 and 512, seconds) and runs
+jflash's Pallas kernels through the interpreter (`interpret=True`), so its
+times there measure the interpreter, not the kernels, and jflash is the
+slower one; the memory comparison still holds: from N = 256 on (4 heads of
+64, float32) XLA's program, which stores the [N, N] scores, needs more
+memory than jflash's: 1.2x as much at N = 256, 4.5x at N = 2048.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import statistics
 import time
 from typing import Any, Sequence
@@ -47,9 +54,17 @@ from matplotlib import ticker  # pylint: disable=g-import-not-at-top
 import jflash
 
 GPU_SETTINGS = dict(lengths=[1024, 2048, 4096, 8192, 16384, 32768], batch=1,
-                    heads=16, head_dim=128, dtype="bfloat16")
-CPU_SETTINGS = dict(lengths=[64, 128, 256, 512], batch=1, heads=4,
-                    head_dim=64, dtype="float32")
+                    heads=16, head_dim=128, dtype="bfloat16", repeats=3)
+# On CPU the interpreter's times are not the point (one call each); memory
+# is: XLA's [N, N] scores outgrow jflash's linear memory from N = 256 on.
+CPU_SETTINGS = dict(lengths=[128, 256, 512, 1024, 2048], batch=1, heads=4,
+                    head_dim=64, dtype="float32", repeats=1)
+# --quick (tests): one length each side of where the benefit begins on CPU.
+QUICK_LENGTHS = dict(gpu=[1024, 4096], cpu=[128, 512])
+# Inside the repository (bench_out/ is in .gitignore), beside examples/.
+DEFAULT_OUT = os.path.normpath(os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "bench_out",
+    "long_context.png"))
 MIB = 2**20
 
 
@@ -146,28 +161,102 @@ def plot(results, path: str, title: str):
   plt.close(fig)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def first_of_lasting(lengths, wins) -> int | None:
+  """The first of increasing `lengths` from which `wins` holds to the end."""
+  first = None
+  for seq_len, win in zip(lengths, wins):
+    if not win:
+      first = None
+    elif first is None:
+      first = seq_len
+  return first
+
+
+def benefit_sentence(results, *, interpreted: bool) -> str:
+  """One sentence: from which measured N on jflash needs less memory than
+  XLA (and runs faster, when its kernels were compiled)."""
+  results = sorted(results, key=lambda r: r["seq_len"])
+  memory = {r["seq_len"]: (r["jflash"]["bytes"], r["xla"]["bytes"])
+            for r in results}
+  known = [n for n, sizes in memory.items() if None not in sizes]
+  first = first_of_lasting(known, [memory[n][0] < memory[n][1]
+                                   for n in known])
+  if not known:
+    memory_part = "this backend reports no compiled memory"
+  elif first is None:
+    memory_part = (f"jflash's compiled fwd+bwd needs no less memory than "
+                   f"XLA's up to the largest length measured, N = "
+                   f"{known[-1]} (XLA's [N, N] scores dominate at larger N)")
+  else:
+    # Where the first length measured already wins, the benefit may begin
+    # below it: say so rather than name it as the start.
+    where = (f"from N = {first} on" if first != known[0] else
+             f"at every length measured (from N = {first})")
+    ratio = lambda n: memory[n][1] / memory[n][0]
+    memory_part = (f"jflash's compiled fwd+bwd needs less memory than XLA's "
+                   f"{where}: XLA's needs {ratio(first):.1f}x as much at "
+                   f"N = {first}")
+    if known[-1] != first:
+      memory_part += f", {ratio(known[-1]):.1f}x at N = {known[-1]}"
+  if interpreted:
+    time_part = ("its times measure the Pallas interpreter, not the kernels, "
+                 "so they are not compared")
+  else:
+    timed = [r for r in results
+             if None not in (r["jflash"]["seconds"], r["xla"]["seconds"])]
+    faster = first_of_lasting(
+        [r["seq_len"] for r in timed],
+        [r["jflash"]["seconds"] < r["xla"]["seconds"] for r in timed])
+    if faster is None:
+      time_part = "it is not faster at the lengths where both ran"
+    elif faster == timed[0]["seq_len"]:
+      time_part = "it is faster at every length where both ran"
+    else:
+      time_part = f"it is faster from N = {faster} on"
+  return f"Benefit: {memory_part}; {time_part}."
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      epilog="Without a GPU, --lengths, --batch, --heads, --head-dim, "
+      "--dtype and --repeats default to CPU sizes (N = "
+      + " ".join(map(str, CPU_SETTINGS["lengths"])) + ").")
   parser.add_argument("--lengths", type=int, nargs="+",
-                      help="sequence lengths N")
-  parser.add_argument("--batch", type=int)
-  parser.add_argument("--heads", type=int)
-  parser.add_argument("--head-dim", type=int)
-  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+                      help="sequence lengths N; default: "
+                      + " ".join(map(str, GPU_SETTINGS["lengths"]))
+                      + " on a GPU")
+  parser.add_argument("--quick", action="store_true",
+                      help="two lengths, one call each (seconds on CPU; N = "
+                      + " and ".join(map(str, QUICK_LENGTHS["cpu"]))
+                      + " there, "
+                      + " and ".join(map(str, QUICK_LENGTHS["gpu"]))
+                      + " on a GPU)")
+  parser.add_argument("--batch", type=int, help="batch size")
+  parser.add_argument("--heads", type=int, help="attention heads")
+  parser.add_argument("--head-dim", type=int, help="dimension of each head")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                      help="dtype of q, k, v")
   parser.add_argument("--causal", action=argparse.BooleanOptionalAction,
-                      default=True)
-  parser.add_argument("--repeats", type=int, default=3,
-                      help="timed calls per point (median reported)")
+                      default=True, help="causal attention")
+  parser.add_argument("--repeats", type=int,
+                      help="timed calls per point (median reported); "
+                      "default: 3 on a GPU, 1 elsewhere")
   parser.add_argument("--xla-limit-gb", type=float, default=40.0,
                       help="do not run the XLA path where its compiled program "
-                      "needs more than this")
+                      "needs more than this many GiB (default: %(default)s)")
   parser.add_argument("--interpret", action=argparse.BooleanOptionalAction,
                       help="run jflash's kernels through the Pallas "
                       "interpreter; default: on without a GPU")
-  parser.add_argument("--out", default="long_context.png",
-                      help="where to save the plot (PNG)")
-  parser.add_argument("--seed", type=int, default=0)
-  return parser.parse_args(argv)
+  parser.add_argument("--out", default=DEFAULT_OUT,
+                      help="where to save the plot (PNG); default: %(default)s")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the random inputs")
+  return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -175,9 +264,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu:
-    print("No GPU found: falling back to CPU settings (small N; jflash runs "
-          "its kernels through the Pallas interpreter, so its times measure "
-          "the interpreter).")
+    print("No GPU found: falling back to CPU settings (jflash runs its "
+          "kernels through the Pallas interpreter, so its times measure the "
+          "interpreter; the memory comparison holds).")
+  if args.quick:
+    if args.lengths is None:
+      args.lengths = QUICK_LENGTHS["gpu" if on_gpu else "cpu"]
+    if args.repeats is None:
+      args.repeats = 1
   for name, value in (GPU_SETTINGS if on_gpu else CPU_SETTINGS).items():
     if getattr(args, name) is None:
       setattr(args, name, value)
@@ -233,8 +327,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            f"H={args.heads} D={args.head_dim} {dtype.name}"
            + (" causal" if args.causal else "")
            + (" (jflash interpreted)" if args.interpret else ""))
+  print(benefit_sentence(results, interpreted=args.interpret))
+  out_dir = os.path.dirname(os.path.abspath(args.out))
+  os.makedirs(out_dir, exist_ok=True)
   plot(results, args.out, title)
-  print(f"plot saved to {args.out}")
+  print(f"plot saved to {os.path.abspath(args.out)}")
   return dict(results=results, out=args.out)
 
 

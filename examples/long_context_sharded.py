@@ -59,29 +59,50 @@ AXIS = "context"
 MIB = 2**20
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      epilog="Sizes left out take the GPU defaults on a GPU, CPU ones "
+      "elsewhere, or --tiny's.")
   parser.add_argument("--cpu-devices", type=int,
                       default=int(os.environ.get("JFLASH_CPU_DEVICES", 0)),
                       help="run on N fake CPU devices (env "
                       "JFLASH_CPU_DEVICES); default: the local devices")
   parser.add_argument("--tiny", action="store_true",
                       help="tiny sizes: seconds on CPU")
-  for name in ("steps", "batch", "seq-len", "layers", "dim", "heads",
-               "kv-heads", "vocab"):
-    parser.add_argument(f"--{name}", type=int)
-  parser.add_argument("--learning-rate", type=float)
-  parser.add_argument("--dtype", choices=("float32", "bfloat16"))
+  for name, description in (
+      ("steps", "training steps (logged)"),
+      ("batch", "sequences per batch"),
+      ("seq-len", "tokens per sequence, sharded over the devices"),
+      ("layers", "transformer layers"),
+      ("dim", "model width"),
+      ("heads", "query heads"),
+      ("kv-heads", "key/value heads (GQA)"),
+      ("vocab", "vocabulary size of the copy task")):
+    parser.add_argument(f"--{name}", type=int, help=description)
+  parser.add_argument("--learning-rate", type=float, help="Adam's step size")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                      help="dtype of activations and attention")
   parser.add_argument("--strategy", choices=("ring", "all_gather"),
-                      default="ring")
+                      default="ring",
+                      help="ring: K/V shards travel around the devices; "
+                      "all_gather: gathered once (default: %(default)s)")
   parser.add_argument("--layout", choices=("balanced", "contiguous"),
-                      default="balanced")
+                      default="balanced",
+                      help="balanced: every device does the same causal "
+                      "work; contiguous: device i holds the i-th slice "
+                      "(default: %(default)s)")
   parser.add_argument("--timed-steps", type=int, default=5,
                       help="steps timed for tokens/s (after a warm-up)")
   parser.add_argument("--interpret", action="store_true",
                       help="Triton kernels through the Pallas interpreter")
-  parser.add_argument("--seed", type=int, default=0)
-  return parser.parse_args(argv)
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the weights and the data")
+  return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
