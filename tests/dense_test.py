@@ -32,20 +32,14 @@ def _bias_and_mask(shape, dtype="float32", seed=0):
   return bias, mask
 
 
-def _value_and_grads(fn, q, k, v, bias, dout):
-  out, vjp = jax.vjp(fn, q, k, v, bias)
-  return (out, *vjp(dout.astype(out.dtype)))
-
-
 _NAMES = ("out", "dq", "dk", "dv", "dbias")
 
 
 class DenseTest(test_base.BackendTestCase):
 
   def _results(self, q, k, v, bias, dout, **kwargs):
-    fn = self.flash(**kwargs)
-    return jax.jit(functools.partial(_value_and_grads, fn))(
-        q, k, v, bias, dout)
+    return jax.jit(test_util.value_and_all_grads, static_argnums=0)(
+        self.flash(**kwargs), dout, q, k, v, bias)
 
   def _assert_close(self, results, q, k, v, bias, dout, *, xla=False,
                     **kwargs):
@@ -55,13 +49,8 @@ class DenseTest(test_base.BackendTestCase):
                              **kwargs)
     else:
       fn = functools.partial(jax.nn.dot_product_attention, **kwargs)
-    step = jax.jit(functools.partial(_value_and_grads, fn))
-    with jax.default_matmul_precision("highest"):
-      reference = step(*(x.astype(jnp.float32)
-                         for x in (q, k, v, bias, dout)))
-    low = step(q, k, v, bias, dout)
-    test_util._assert_within_table(self, results, reference, low, q.dtype,
-                                   names=_NAMES)
+    test_util.assert_close_to_function(self, results, fn, (q, k, v, bias),
+                                       dout, _NAMES)
 
   @parameterized.named_parameters(
       ("shared", (1, 1, T, S)), ("per_batch", (B, 1, T, S)),

@@ -183,8 +183,7 @@ class JaxNnCompatTest(test_base.BackendTestCase):
       def one(q, k, v, bias, mask, q_lens, dout):
         fn = lambda q, k, v, bias: attention(
             q, k, v, bias, mask, query_seq_lengths=q_lens, is_causal=True)
-        out, vjp = jax.vjp(fn, q, k, v, bias)
-        return (out, *vjp(dout))
+        return test_util.value_and_all_grads(fn, dout, q, k, v, bias)
       return jax.jit(jax.vmap(one))(q, k, v, bias, mask, q_lens, dout)
 
     ours = value_and_grads(self.flash())

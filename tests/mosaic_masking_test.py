@@ -1141,14 +1141,9 @@ class MosaicMaskingTest(parameterized.TestCase):
         key_value_seq_lengths=jnp.asarray(case.lengths[1], jnp.int32),
         **options)
 
-    @jax.jit
-    def value_and_grads(q, k, v, dout):
-      out, vjp = jax.vjp(attention, q, k, v)
-      return out, *vjp(dout)
-
     with jax.default_matmul_precision("highest"):
-      results = value_and_grads(*(jnp.asarray(x, jnp.float32)
-                                  for x in (q, k, v, dout)))
+      results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+          attention, *(jnp.asarray(x, jnp.float32) for x in (q, k, v, dout)))
     out, _, dq, dk, dv, _ = _reference(case, q, k, v, dout, None)
     results = (np.where(seen, results[0], 0.0), *results[1:])
     for name, x, ref in zip(("out", "dq", "dk", "dv"), results,

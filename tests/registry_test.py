@@ -246,19 +246,18 @@ class RegistryTest(absltest.TestCase):
     triton_config = triton_backend.configure(call.spec, call.options)
     dlse = jax.random.normal(jax.random.key(152), q.shape[:3])
 
-    def results(plan, q, k, v):
+    def results(plan):
       fn = lambda q, k, v: binding.attention(
           call.spec, plan, call.operands.replace(query=q, key=k, value=v))
-      (out, lse), vjp = jax.vjp(fn, q, k, v)
-      return (out, lse, *vjp((dout, dlse)))
+      return jax.jit(test_util.value_and_all_grads, static_argnums=0)(
+          fn, (dout, dlse), q, k, v)
 
     with jax.default_matmul_precision("highest"):
-      expected = jax.jit(results, static_argnums=0)(
-          registry.Plan("xla", None, "xla", None), q, k, v)
+      expected = results(registry.Plan("xla", None, "xla", None))
     for plan in (registry.Plan("triton", triton_config, "xla", None),
                  registry.Plan("xla", None, "triton", triton_config)):
       with self.subTest(plan=plan.forward + "+" + plan.backward):
-        ours = jax.jit(results, static_argnums=0)(plan, q, k, v)
+        ours = results(plan)
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours,
                               expected):
           # Rows past the query length: lse = -inf in both.

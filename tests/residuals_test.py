@@ -35,16 +35,13 @@ class ResidualsTest(test_base.BackendTestCase):
                                             num_heads=4, num_kv_heads=2)
     dlse = jax.random.normal(jax.random.key(61), q.shape[:3])
 
-    def results(fn, *args):
-      (out, lse), vjp = jax.vjp(fn, *args)
-      return (out, lse, *vjp((dout.astype(out.dtype), dlse)))
-
-    ours = jax.jit(results, static_argnums=0)(self._flash(**kwargs), q, k, v)
+    results = jax.jit(test_util.value_and_all_grads, static_argnums=0)
+    ours = results(self._flash(**kwargs), (dout, dlse), q, k, v)
     reference = functools.partial(
         jflash.flash_attention, implementation="xla", return_residual=True,
         residual_dtype=jnp.float32, **kwargs)
     with jax.default_matmul_precision("highest"):
-      expected = jax.jit(results, static_argnums=0)(reference, q, k, v)
+      expected = results(reference, (dout, dlse), q, k, v)
     names = ("out", "lse", "dq", "dk", "dv")
     for name, x, y in zip(names, ours, expected):
       self.assertEqual(x.shape, y.shape, msg=name)

@@ -68,26 +68,17 @@ def _mesh(devices, axis_type=AxisType.Auto):
                        devices=jax.devices()[:devices])
 
 
-def _value_and_grads(fn, dout):
-  """One program: fn's output and the gradients of <fn, dout>."""
-
-  def value_and_grads(*args):
-    out, vjp = jax.vjp(fn, *args)
-    return out, vjp(dout.astype(out.dtype))
-
-  return value_and_grads
-
-
 @functools.cache
 def _reference(seed, seq, is_causal, segments, sinks):
-  """Single-device flash_attention (XLA path): output and gradients."""
+  """Single-device flash_attention (XLA path): (out, d arg for each arg)."""
   q, k, v, dout = _inputs(seed, seq)
   q_ids, kv_ids = _segment_ids(seq) if segments else (None, None)
   fn = lambda q, k, v, *s: jflash.flash_attention(
       q, k, v, is_causal=is_causal, implementation="xla",
       q_segment_ids=q_ids, kv_segment_ids=kv_ids, sinks=s[0] if s else None)
   args = (q, k, v) + ((jnp.asarray(SINKS),) if sinks else ())
-  return jax.jit(_value_and_grads(fn, dout))(*args)
+  return jax.jit(functools.partial(test_util.value_and_all_grads, fn,
+                                   dout))(*args)
 
 
 class RingAttentionTest(parameterized.TestCase):
@@ -121,13 +112,13 @@ class RingAttentionTest(parameterized.TestCase):
     args = tuple(map(into, (q, k, v))) + (
         (jnp.asarray(SINKS),) if sinks else ())
     with jax.set_mesh(mesh):
-      out, grads = jax.jit(_value_and_grads(fn, into(dout)))(*args)
+      out, *grads = jax.jit(functools.partial(
+          test_util.value_and_all_grads, fn, into(dout)))(*args)
     # Sequence-shaped results back to positions in order; dsinks is [N].
     results = (back(out), *map(back, grads[:3]), *grads[3:])
-    expected_out, expected_grads = _reference(0, seq, is_causal, segments,
-                                              sinks)
+    expected = _reference(0, seq, is_causal, segments, sinks)
     chex.assert_tree_all_finite(results)
-    chex.assert_trees_all_close(results, (expected_out, *expected_grads),
+    chex.assert_trees_all_close(results, expected,
                                 atol=TOLERANCE, rtol=TOLERANCE)
 
   @parameterized.named_parameters(
@@ -170,14 +161,14 @@ class RingAttentionTest(parameterized.TestCase):
         implementation="xla", sinks=s)
     with jax.set_mesh(mesh):
       put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
-      out, grads = jax.jit(_value_and_grads(fn, put(dout)))(
-          put(q), put(k), put(v), jnp.asarray(SINKS))
+      out, *grads = jax.jit(functools.partial(
+          test_util.value_and_all_grads, fn, put(dout)))(
+              put(q), put(k), put(v), jnp.asarray(SINKS))
     self.assertEqual(out.sharding.spec, P("data", AXIS, "heads", None))
     for grad in grads[:3]:
       self.assertEqual(grad.sharding.spec, P("data", AXIS, "heads", None))
-    expected_out, expected_grads = _reference(0, T, True, False, True)
     chex.assert_trees_all_close((out, *grads),
-                                (expected_out, *expected_grads),
+                                _reference(0, T, True, False, True),
                                 atol=TOLERANCE, rtol=TOLERANCE)
 
   @parameterized.named_parameters(("ring", "ring"),
@@ -194,12 +185,12 @@ class RingAttentionTest(parameterized.TestCase):
     fn = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P()),
                        out_specs=rows, check_vma=True)
     with jax.set_mesh(mesh):
-      out, grads = jax.jit(_value_and_grads(fn, into(dout)))(
-          into(q), into(k), into(v), jnp.asarray(SINKS))
+      out, *grads = jax.jit(functools.partial(
+          test_util.value_and_all_grads, fn, into(dout)))(
+              into(q), into(k), into(v), jnp.asarray(SINKS))
     back = lambda x: jflash.load_unbalance(x, 4)
     results = (back(out), *map(back, grads[:3]), grads[3])
-    expected_out, expected_grads = _reference(0, T, True, False, True)
-    chex.assert_trees_all_close(results, (expected_out, *expected_grads),
+    chex.assert_trees_all_close(results, _reference(0, T, True, False, True),
                                 atol=TOLERANCE, rtol=TOLERANCE)
 
   def _compiled(self, fn, devices, seq, dtype=jnp.float32, heads=(N, K, H)):
@@ -414,11 +405,13 @@ class OneGpuTest(absltest.TestCase):
                                                      is_causal=is_causal)
       ring_fn = lambda q, k, v: jflash.ring_attention(
           q, k, v, mesh=mesh, axis_name=AXIS, is_causal=is_causal)
-      expected = jax.jit(_value_and_grads(flash, dout))(q, k, v)
+      expected = jax.jit(test_util.value_and_grads, static_argnums=0)(
+          flash, q, k, v, dout)
       with jax.set_mesh(mesh):
         put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, AXIS)))
-        got = jax.jit(_value_and_grads(ring_fn, put(dout)))(
-            put(q), put(k), put(v))
+        got = jax.jit(functools.partial(
+            test_util.value_and_all_grads, ring_fn, put(dout)))(
+                put(q), put(k), put(v))
       tolerance = tolerances.direct(q.dtype)
       chex.assert_trees_all_close(got, expected, atol=tolerance,
                                   rtol=tolerance)

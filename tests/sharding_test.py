@@ -13,6 +13,7 @@ expected: the user's bias is replicated, its gradient must be too).
 """
 
 import contextlib
+import functools
 import re
 
 from absl.testing import absltest
@@ -74,16 +75,6 @@ def _gathers_of(hlo: str, shapes) -> list[str]:
   return found
 
 
-def _value_and_grads(fn, dout):
-  """One program: fn's output and the gradients of <fn, dout>."""
-
-  def value_and_grads(*args):
-    out, vjp = jax.vjp(fn, *args)
-    return out, vjp(dout.astype(out.dtype))
-
-  return value_and_grads
-
-
 _UNSHARDED = {}
 
 
@@ -142,8 +133,9 @@ class ShardingTest(test_base.BackendTestCase):
     flash = self.flash(**options)
     args = (q, k, v) if bias is None else (q, k, v, bias)
     fn = lambda *a: flash(*a)
-    expected = _unsharded(_value_and_grads(fn, dout), args,
-                          key=(self.implementation, bool(options)))
+    expected = _unsharded(
+        functools.partial(test_util.value_and_all_grads, fn, dout), args,
+        key=(self.implementation, bool(options)))
 
     mesh = _mesh(mesh_kind)
     spec = LAYOUTS[layout]
@@ -152,10 +144,11 @@ class ShardingTest(test_base.BackendTestCase):
       sharded = [put(x, spec) for x in (q, k, v)]
       if bias is not None:
         sharded.append(put(bias, P()))
-      compiled = jax.jit(_value_and_grads(fn, put(dout, spec))).lower(
-          *sharded).compile()
-      out, grads = compiled(*sharded)
-    chex.assert_trees_all_close((out, grads), expected, atol=1e-5,
+      compiled = jax.jit(functools.partial(
+          test_util.value_and_all_grads, fn, put(dout, spec))).lower(
+              *sharded).compile()
+      out, *grads = compiled(*sharded)
+    chex.assert_trees_all_close((out, *grads), expected, atol=1e-5,
                                 rtol=1e-5)
     self.assertEqual(out.sharding.spec, spec)
     for name, grad in zip("qkv", grads[:3]):
@@ -213,8 +206,9 @@ class ShardingTest(test_base.BackendTestCase):
     flash = self.flash(is_causal=True)
     fn = lambda q, k, v, bias: flash(q, k, v, bias)
     args = (q, k, v, bias)
-    expected = _unsharded(_value_and_grads(fn, dout), args,
-                          key=(self.implementation, "user shard_map"))
+    expected = _unsharded(
+        functools.partial(test_util.value_and_all_grads, fn, dout), args,
+        key=(self.implementation, "user shard_map"))
     spec = LAYOUTS["batch_heads"]
     inner = jax.shard_map(
         fn, mesh=mesh, in_specs=(spec, spec, spec, P(None, "model")),
@@ -222,7 +216,8 @@ class ShardingTest(test_base.BackendTestCase):
     patch = (_interpret_under_check_vma() if check_vma and self.interpret
              else contextlib.nullcontext())
     with jax.set_mesh(mesh), patch:
-      result = jax.jit(_value_and_grads(inner, dout))(*args)
+      result = jax.jit(functools.partial(test_util.value_and_all_grads,
+                                         inner, dout))(*args)
     chex.assert_trees_all_close(result, expected, atol=1e-5, rtol=1e-5)
 
   def test_vmap_of_sharded_inputs(self):
@@ -281,7 +276,8 @@ class OneDeviceMeshTest(test_base.BackendTestCase):
                          devices=jax.devices()[:1])
     fn = lambda q, k, v, bias: self.flash(is_causal=True)(q, k, v, bias)
     args = (q, k, v, bias)
-    expected = jax.jit(_value_and_grads(fn, dout))(*args)
+    expected = jax.jit(functools.partial(test_util.value_and_all_grads, fn,
+                                         dout))(*args)
     spec = P("data")
     inner = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, P()),
                           out_specs=spec, check_vma=check_vma)
@@ -290,8 +286,8 @@ class OneDeviceMeshTest(test_base.BackendTestCase):
     with jax.set_mesh(mesh), patch:
       put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
       sharded = [put(q, spec), put(k, spec), put(v, spec), put(bias, P())]
-      result = jax.jit(_value_and_grads(
-          inner, put(dout, spec)))(*sharded)
+      result = jax.jit(functools.partial(
+          test_util.value_and_all_grads, inner, put(dout, spec)))(*sharded)
     chex.assert_trees_all_close(result, expected, atol=1e-5, rtol=1e-5)
 
 

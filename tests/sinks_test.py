@@ -89,19 +89,19 @@ class SinksTest(test_base.BackendTestCase):
     q_lens, kv_lens = jnp.array([40, 33], jnp.int32), jnp.array([0, 24])
     dlse = jax.random.normal(jax.random.key(83), q.shape[:3])
 
-    def results(flash, q, k, v, sinks):
+    def results(flash):
       fn = lambda *args: flash(*args[:3], sinks=args[3], is_causal=True,
                                causal_alignment="bottom_right",
                                query_seq_lengths=q_lens,
                                key_value_seq_lengths=kv_lens,
                                return_residual=True, residual_dtype=jnp.float32)
-      (out, lse), vjp = jax.vjp(fn, q, k, v, sinks)
-      return (out, lse, *vjp((dout, dlse)))
+      return jax.jit(test_util.value_and_all_grads, static_argnums=0)(
+          fn, (dout, dlse), q, k, v, sinks)
 
-    ours = jax.jit(results, static_argnums=0)(self.flash(), q, k, v, sinks)
+    ours = results(self.flash())
     xla = functools.partial(jflash.flash_attention, implementation="xla")
     with jax.default_matmul_precision("highest"):
-      expected = jax.jit(results, static_argnums=0)(xla, q, k, v, sinks)
+      expected = results(xla)
     chex.assert_tree_all_finite(ours[2:])
     tolerance = tolerances.direct(q.dtype)
     chex.assert_trees_all_close(ours, expected, rtol=tolerance,

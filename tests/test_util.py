@@ -88,14 +88,21 @@ def random_inputs(seed: int, *, batch=2, q_len=64, kv_len=64, num_heads=2,
 
 def value_and_grads(fn, q, k, v, dout):
   """(out, dq, dk, dv) of fn through jax.vjp with the cotangent dout."""
-  out, vjp = jax.vjp(fn, q, k, v)
-  return (out, *vjp(dout.astype(out.dtype)))
+  return value_and_all_grads(fn, dout, q, k, v)
 
 
 def value_and_all_grads(fn, dout, *args):
-  """(out, d arg for each arg) of fn through jax.vjp with the cotangent dout."""
+  """(out, d arg for each arg) of fn through jax.vjp with the cotangent dout.
+
+  The cotangent is cast to the output's dtype. For fn returning a tuple
+  (e.g. (out, lse) with return_residual=True), dout is a tuple like it and
+  the result is flat: (out, lse, d arg for each arg). Bound as
+  `functools.partial(value_and_all_grads, fn, dout)`, it is one function of
+  the args to jit, with the cotangent (and its sharding) closed over.
+  """
   out, vjp = jax.vjp(fn, *args)
-  return (out, *vjp(dout.astype(out.dtype)))
+  grads = vjp(jax.tree.map(lambda d, o: d.astype(o.dtype), dout, out))
+  return (*(out if isinstance(out, tuple) else (out,)), *grads)
 
 
 def _fingerprint(*trees) -> str:

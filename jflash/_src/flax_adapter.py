@@ -23,13 +23,57 @@ from jflash._src import api
 from jflash._src.api import BlockSizes
 
 
-def decode_step_masking(local_window_size) -> dict[str, Any]:
+def key_value_inputs(inputs_q, inputs_k=None, inputs_v=None, *,
+                     inputs_kv=None):
+  """The key and value inputs of a module call, defaulted as Flax does.
+
+  inputs_k defaults to inputs_q and inputs_v to inputs_k; linen's
+  deprecated `inputs_kv` sets both.
+
+  Returns:
+    (inputs_k, inputs_v).
+
+  Raises:
+    ValueError: for inputs_v without inputs_k, or inputs_kv with either.
+  """
+  if inputs_kv is not None:
+    if inputs_k is not None or inputs_v is not None:
+      raise ValueError("If `inputs_kv` is given, `inputs_k` and `inputs_v` "
+                       "must be None.")
+    return inputs_kv, inputs_kv
+  if inputs_k is None:
+    if inputs_v is not None:
+      raise ValueError("`inputs_k` cannot be None if `inputs_v` is not "
+                       "None; pass the same array to both, or only "
+                       "`inputs_k`.")
+    inputs_k = inputs_q
+  return inputs_k, inputs_k if inputs_v is None else inputs_v
+
+
+def decode_step_masking(local_window_size, *, mask, key_value_seq_lengths,
+                        q_segment_ids, kv_segment_ids) -> dict[str, Any]:
   """Mask options of a one-token decode step over a cache.
 
   The step's key lengths (index + 1) already hide the unwritten slots. With a
   local window, the window must be centred on the new token's own position
   (the cache's last valid slot), which bottom-right causal alignment does.
+  The masks a module call may carry besides are refused: the cache sets the
+  step's keys.
+
+  Raises:
+    ValueError: for key_value_seq_lengths or segment ids.
+    NotImplementedError: for a dense mask.
   """
+  if key_value_seq_lengths is not None:
+    raise ValueError("key_value_seq_lengths cannot be given in decode "
+                     "steps: the cache's cache_index sets them.")
+  if q_segment_ids is not None or kv_segment_ids is not None:
+    raise ValueError("Segment ids cannot be given in decode steps: a step "
+                     "attends to its cache's valid slots.")
+  if mask is not None:
+    raise NotImplementedError(
+        "A dense mask cannot be given in decode steps yet: a step attends "
+        "to its cache's valid slots (and the window, if any).")
   if local_window_size is None:
     return dict(is_causal=False)
   return dict(is_causal=True, causal_alignment="bottom_right")
@@ -178,6 +222,39 @@ def flax_attention(
       causal_alignment=causal_alignment, sinks=sinks, **dropout,
       **per_batch)
   return out.reshape(query.shape)
+
+
+def module_attention(module, query, key, value, *, mask, masking,
+                     deterministic, dropout_rng, sinks, query_seq_lengths,
+                     key_value_seq_lengths, q_segment_ids, kv_segment_ids):
+  """`flax_attention` with the options a jflash module holds.
+
+  Args:
+    module: a jflash Flax module; its `dropout_rate`, `broadcast_dropout`,
+      `dtype`, `implementation`, `block_sizes`, `interpret`,
+      `logits_soft_cap` and `local_window_size` are passed on.
+    query, key, value: [batch..., seq, heads, head_dim], projected.
+    mask: the call's dense mask, or None.
+    masking: `is_causal` (and `causal_alignment` in decode steps).
+    deterministic: resolved: True when the module has no dropout.
+    dropout_rng: the dropout key, or None when deterministic.
+    sinks: the module's sinks parameter, or None.
+    query_seq_lengths, key_value_seq_lengths, q_segment_ids,
+      kv_segment_ids: as `flax_attention` takes them.
+
+  Returns:
+    [batch..., q_len, heads, head_dim].
+  """
+  return flax_attention(
+      query, key, value, mask=mask, **masking,
+      dropout_rate=module.dropout_rate, deterministic=deterministic,
+      dropout_rng=dropout_rng, broadcast_dropout=module.broadcast_dropout,
+      sinks=sinks, dtype=module.dtype, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+      implementation=module.implementation, block_sizes=module.block_sizes,
+      interpret=module.interpret, logits_soft_cap=module.logits_soft_cap,
+      local_window_size=module.local_window_size)
 
 
 def make_attention_fn(

@@ -98,18 +98,8 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       raise NotImplementedError(
           "FlashMultiHeadDotProductAttention cannot sow attention weights: "
           "flash attention never forms the attention matrix.")
-    if inputs_kv is not None:
-      if inputs_k is not None or inputs_v is not None:
-        raise ValueError("If `inputs_kv` is given, `inputs_k` and `inputs_v` "
-                         "must be None.")
-      inputs_k = inputs_v = inputs_kv
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("`inputs_k` cannot be None if `inputs_v` is not "
-                         "None.")
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
+    inputs_k, inputs_v = flax_adapter.key_value_inputs(
+        inputs_q, inputs_k, inputs_v, inputs_kv=inputs_kv)
 
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
@@ -145,22 +135,15 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
           "cache", "cache_index",
           lambda: jnp.zeros(key.shape[:-3], jnp.int32))
       if initialized:
-        if key_value_seq_lengths is not None:
-          raise ValueError("key_value_seq_lengths cannot be given in decode "
-                           "steps: the cache's cache_index sets them.")
-        if q_segment_ids is not None or kv_segment_ids is not None:
-          raise ValueError("Segment ids cannot be given in decode steps: a "
-                           "step attends to its cache's valid slots.")
-        if mask is not None:
-          raise NotImplementedError(
-              "A dense mask cannot be given in decode steps yet: a step attends "
-              "to its cache's valid slots (and the window, if any).")
+        masking = flax_adapter.decode_step_masking(
+            self.local_window_size, mask=mask,
+            key_value_seq_lengths=key_value_seq_lengths,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
         key, value, key_value_seq_lengths = flax_adapter.append_to_cache(
             cached_key.value, cached_value.value, cache_index.value, key,
             value)
         cached_key.value, cached_value.value = key, value
         cache_index.value = key_value_seq_lengths
-        masking = flax_adapter.decode_step_masking(self.local_window_size)
 
     if self.dropout_rate > 0.0:
       deterministic = merge_param("deterministic", self.deterministic,
@@ -173,17 +156,12 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     if self.use_sinks:
       sinks = self.param("sinks", nn.initializers.zeros_init(),
                          (self.num_heads,), self.param_dtype)
-    x = flax_adapter.flax_attention(
-        query, key, value, mask=mask, **masking,
-        dropout_rate=self.dropout_rate, deterministic=deterministic,
-        dropout_rng=dropout_rng, broadcast_dropout=self.broadcast_dropout,
-        sinks=sinks,
-        dtype=self.dtype, query_seq_lengths=query_seq_lengths,
+    x = flax_adapter.module_attention(
+        self, query, key, value, mask=mask, masking=masking,
+        deterministic=deterministic, dropout_rng=dropout_rng, sinks=sinks,
+        query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        implementation=self.implementation, block_sizes=self.block_sizes,
-        interpret=self.interpret, logits_soft_cap=self.logits_soft_cap,
-        local_window_size=self.local_window_size)
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1),
         kernel_init=self.out_kernel_init or self.kernel_init,

@@ -144,14 +144,8 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       raise NotImplementedError(
           "FlashMultiHeadAttention does not take input_positions (RoPE); "
           "apply rotary embeddings to the inputs before the call.")
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("`inputs_k` cannot be None if `inputs_v` is not "
-                         "None; pass the same array to both, or only "
-                         "`inputs_k`.")
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
+    inputs_k, inputs_v = flax_adapter.key_value_inputs(inputs_q, inputs_k,
+                                                       inputs_v)
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"Incompatible input dimension: got inputs_q.shape="
                        f"{inputs_q.shape}, but in_features="
@@ -170,34 +164,23 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
                        "FlashMultiHeadAttention, neither in the call nor in "
                        "the constructor.")
     if decode:
-      if key_value_seq_lengths is not None:
-        raise ValueError("key_value_seq_lengths cannot be given in decode "
-                         "mode: the cache's cache_index sets them.")
-      if q_segment_ids is not None or kv_segment_ids is not None:
-        raise ValueError("Segment ids cannot be given in decode mode: a "
-                         "decode step attends to its cache's valid slots.")
-      if mask is not None:
-        raise NotImplementedError(
-            "A dense mask cannot be given in decode steps yet: a step attends "
-            "to its cache's valid slots (and the window, if any).")
+      masking = flax_adapter.decode_step_masking(
+          self.local_window_size, mask=mask,
+          key_value_seq_lengths=key_value_seq_lengths,
+          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
       key, value, key_value_seq_lengths = self._append_to_cache(key, value)
-      masking = flax_adapter.decode_step_masking(self.local_window_size)
     else:
       masking = dict(is_causal=is_causal)
 
     deterministic = self._resolve_deterministic(deterministic)
-    x = flax_adapter.flax_attention(
-        query, key, value, mask=mask, **masking,
-        dropout_rate=self.dropout_rate, deterministic=deterministic,
+    x = flax_adapter.module_attention(
+        self, query, key, value, mask=mask, masking=masking,
+        deterministic=deterministic,
         dropout_rng=None if deterministic else self._dropout_rng(rngs),
-        broadcast_dropout=self.broadcast_dropout,
         sinks=None if self.sinks is None else self.sinks[...],
-        dtype=self.dtype, query_seq_lengths=query_seq_lengths,
+        query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        implementation=self.implementation, block_sizes=self.block_sizes,
-        interpret=self.interpret, logits_soft_cap=self.logits_soft_cap,
-        local_window_size=self.local_window_size)
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     return self.out(x, out_sharding=out_sharding)
 
   def _resolve_deterministic(self, deterministic: bool | None) -> bool:

@@ -35,8 +35,10 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jflash._src import api
+from jflash._src import modifiers
 from jflash._src import registry
 from jflash._src import ring_loop
+from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
 from jflash._src.spec import describe_call
 
@@ -161,21 +163,10 @@ def ring_attention(
   if axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                      f"(its axes: {tuple(mesh.axis_names)}).")
-  if jnp.ndim(query) == 3:  # Unbatched: add the batch axis, then drop it.
-    # Checked first as given, so that errors name the caller's shapes.
-    api.describe(query, key, value, is_causal=is_causal,
-                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                 scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                 block_sizes=block_sizes, interpret=interpret)
-    add = lambda x: None if x is None else jnp.asarray(x)[None]
-    return ring_attention(
-        add(query), add(key), add(value), mesh=mesh, axis_name=axis_name,
-        is_causal=is_causal, layout=layout, strategy=strategy,
-        q_segment_ids=add(q_segment_ids), kv_segment_ids=add(kv_segment_ids),
-        scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
-        implementation=implementation, block_sizes=block_sizes,
-        interpret=interpret)[0]
   num_devices = mesh.shape[axis_name]
+  # The one description of the call, as given (errors name the caller's
+  # shapes); unbatched inputs get their batch axis here and lose it on
+  # return. The shard_map body takes its shards from it undescribed.
   call = api.describe(
       query, key, value, is_causal=is_causal, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, scale=scale,
@@ -183,8 +174,11 @@ def ring_attention(
       interpret=interpret)
   _check_sequence(call, num_devices, layout, "the mesh axis "
                   f"{axis_name!r} has {num_devices} devices")
-  registry.plan(call.spec, implementation, call.options)  # Fails early.
-  batch_axes, head_axes = _other_axes(query, mesh, axis_name, call.spec)
+  # The call as given must have backends, checked before shard_map; the
+  # blocks are planned on their own shapes (_make_ring).
+  registry.plan(call.spec, implementation, call.options)
+  batch_axes, head_axes = _other_axes(call.operands.query, mesh, axis_name,
+                                      call.spec)
   rows = P(_entry(batch_axes), axis_name, _entry(head_axes), None)
   ids = P(_entry(batch_axes), axis_name)
   heads = P(_entry(head_axes))
@@ -199,16 +193,16 @@ def ring_attention(
     args = tuple(None if x is None else jax.sharding.reshard(
         x, NamedSharding(mesh, spec)) for x, spec in zip(args, specs))
   local = functools.partial(
-      _local_attention, axis_name=axis_name, num_devices=num_devices,
-      is_causal=is_causal, layout=layout, strategy=strategy,
-      scale=call.spec.scale,
-      logits_soft_cap=logits_soft_cap, implementation=implementation,
-      block_sizes=block_sizes, interpret=interpret)
+      _shard_attention, call.spec, call.options, axis_name=axis_name,
+      num_devices=num_devices, layout=layout, strategy=strategy,
+      implementation=implementation, block_sizes=block_sizes,
+      interpret=interpret)
   # check_vma=False: the body is ours (kernels run unchanged, as in
   # sharding.shard_map_call); the sinks' gradient is summed over the
   # devices that share them by shard_map's transpose.
-  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows,
-                       check_vma=False)(*args)
+  out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows,
+                      check_vma=False)(*args)
+  return out[0] if call.unbatched else out
 
 
 def ring_attention_local(
@@ -265,26 +259,49 @@ def ring_attention_local(
         f"axis_name={axis_name!r} is not a mesh axis of an enclosing "
         "jax.shard_map; ring_attention_local runs inside shard_map (use "
         "jflash.ring_attention on global arrays).") from e
-  return _local_attention(
-      query, key, value, q_segment_ids, kv_segment_ids, sinks,
-      axis_name=axis_name, num_devices=num_devices, is_causal=is_causal,
-      layout=layout, strategy=strategy, scale=scale,
-      logits_soft_cap=logits_soft_cap, implementation=implementation,
-      block_sizes=block_sizes, interpret=interpret)
-
-
-def _local_attention(query, key, value, q_segment_ids, kv_segment_ids,
-                     sinks, *, axis_name, num_devices, is_causal, layout,
-                     strategy, scale, logits_soft_cap, implementation,
-                     block_sizes, interpret):
-  """The work of one device: validates its shards, then runs a strategy."""
   call = api.describe(
       query, key, value, is_causal=is_causal, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, scale=scale,
       logits_soft_cap=logits_soft_cap, sinks=sinks, block_sizes=block_sizes,
       interpret=interpret)
   _check_sequence(call, 1, layout, "local shards")
-  balanced = layout == "balanced" and is_causal
+  out = _local_attention(
+      call, sinks, axis_name=axis_name, num_devices=num_devices,
+      layout=layout, strategy=strategy, implementation=implementation,
+      block_sizes=block_sizes, interpret=interpret)
+  return out[0] if call.unbatched else out
+
+
+def _shard_attention(spec: CallSpec, options, query, key, value,
+                     q_segment_ids, kv_segment_ids, sinks, **kwargs):
+  """`ring_attention`'s shard_map body: `_local_attention` of this
+  device's shards of the call described as `spec` and `options`.
+
+  The shards are not described again: they are slices of the global call,
+  validated and normalized (batched, int32 ids, float32 sinks) by
+  `ring_attention`, whose checks (T == S, T divisible into the shards)
+  hold for them too. Only what depends on the shards' shapes is formed
+  here, as `api.describe` forms it: the per-head sinks and the spec.
+  """
+  batch, _, num_heads, _ = query.shape
+  operands = Operands(
+      query, key, value, q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids,
+      sinks=modifiers.per_head(sinks, batch=batch, num_heads=num_heads))
+  local_spec = describe_call(operands, scale=spec.scale,
+                             is_causal=spec.mask.is_causal,
+                             logits_soft_cap=spec.logits_soft_cap)
+  call = api.DescribedCall(spec=local_spec, operands=operands,
+                           options=options, unbatched=False)
+  return _local_attention(call, sinks, **kwargs)
+
+
+def _local_attention(call: api.DescribedCall, sinks, *, axis_name,
+                     num_devices, layout, strategy, implementation,
+                     block_sizes, interpret):
+  """The work of one device on its described shards: runs a strategy.
+  Returns batched [B, T/d, N, H]."""
+  balanced = layout == "balanced" and call.spec.mask.is_causal
   if strategy == "all_gather":
     out = _all_gather_attention(
         call, sinks, axis_name=axis_name, num_devices=num_devices,
@@ -301,7 +318,7 @@ def _local_attention(query, key, value, q_segment_ids, kv_segment_ids,
       out = _apply_sinks(out, lse, ops.sinks).astype(ops.query.dtype)
     else:
       out = result
-  return out[0] if call.unbatched else out
+  return out
 
 
 # The ring strategy.
@@ -310,12 +327,19 @@ def _local_attention(query, key, value, q_segment_ids, kv_segment_ids,
 def _make_ring(call: api.DescribedCall, *, axis_name: str, num_devices: int,
                balanced: bool, implementation) -> ring_loop.Ring:
   """The loop's blocks, each described and planned like a flash_attention
-  call on its shapes (so each pass gets its backend and tiles)."""
+  call on its shapes (so each pass gets its backend and tiles).
+
+  The blocks differ in their static spec, not only in their arrays: step
+  0's block is causal, the others are not, and the balanced layout's half
+  blocks have other shapes (so other tiles). Each distinct spec is planned
+  once: without is_causal, step 0's block and the others share theirs.
+  """
   spec, ops = call.spec, call.operands
   batch, seq, num_heads, head_dim = ops.query.shape
   num_kv_heads = ops.key.shape[2]
   with_ids = ops.q_segment_ids is not None
   dtype = ops.query.dtype
+  plans = {}  # By block spec.
 
   def block(q_len: int, kv_len: int, causal: bool) -> ring_loop.Block:
     struct = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
@@ -328,14 +352,16 @@ def _make_ring(call: api.DescribedCall, *, axis_name: str, num_devices: int,
         q_segment_ids=ids(q_len), kv_segment_ids=ids(kv_len))
     block_spec = describe_call(operands, scale=spec.scale, is_causal=causal,
                                logits_soft_cap=spec.logits_soft_cap)
-    plan = registry.plan(block_spec, implementation, call.options)
-    if registry.get(plan.forward).forward is None:
-      raise NotImplementedError(
-          f"jflash.ring_attention: implementation={plan.forward!r} runs "
-          "only as one whole call; the ring needs a backend with separate "
-          "forward and backward passes (mosaic, triton or xla), or "
-          "strategy='all_gather'.")
-    return ring_loop.Block(block_spec, plan)
+    if block_spec not in plans:
+      plan = registry.plan(block_spec, implementation, call.options)
+      if registry.get(plan.forward).forward is None:
+        raise NotImplementedError(
+            f"jflash.ring_attention: implementation={plan.forward!r} runs "
+            "only as one whole call; the ring needs a backend with separate "
+            "forward and backward passes (mosaic, triton or xla), or "
+            "strategy='all_gather'.")
+      plans[block_spec] = plan
+    return ring_loop.Block(block_spec, plans[block_spec])
 
   is_causal = spec.mask.is_causal
   blocks = dict(first=block(seq, seq, is_causal))
