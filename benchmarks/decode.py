@@ -10,7 +10,7 @@ to random lengths between S/2 and S. Parts (--parts, default all three):
     second (TB/s), next to a device-to-device copy's bandwidth measured in
     the same run; jflash dense and paged (page size 64 and 16).
   sweep: jflash dense under other launch configurations (key tile, warps,
-    stages: `decode.DEFAULT_LAUNCH` patched while a fresh jit traces) and
+    stages: `decode_backend.DEFAULT_LAUNCH` patched while a fresh jit traces) and
     half / twice the default split count, each as a ratio to the default.
   route: `flash_attention` on decode-shaped calls (T new tokens, bottom-
     right causal, kv lengths) with implementation None (the registry's
@@ -28,7 +28,7 @@ import numpy as np
 
 from benchmarks import run as bench
 import jflash
-from jflash._src import decode as decode_lib
+from jflash._src.backends.triton import decode_backend as decode_lib
 
 # B, S, query heads, kv heads (the table).
 CASES = ((1, 32768, 32, 8), (8, 8192, 32, 8), (32, 4096, 32, 8),
@@ -75,7 +75,7 @@ def implementations(num_tokens):
     return decode_attention.gqa(q[:, 0], k, v, kv_seq_len=lengths)[:, None]
 
   def jflash_dense(q, k, v, lengths):
-    return jflash.decode_attention(q, k, v, lengths, implementation="triton")
+    return jflash.decode_attention(q, k, v, lengths, implementation="decode")
 
   impls = {"jflash": jflash_dense, "cudnn": cudnn, "xla": xla}
   if num_tokens == 1:
@@ -123,7 +123,7 @@ def sweep(num_tokens, rng):
     q, k, v, lengths, _ = inputs(case, num_tokens, rng)
     splits = decode_lib.default_num_splits(case[0], case[3], case[1])
     run = lambda q, k, v, lengths, n=None: jflash.decode_attention(
-        q, k, v, lengths, num_splits=n, implementation="triton")
+        q, k, v, lengths, num_splits=n, implementation="decode")
     base = median_seconds(jax.jit(run), (q, k, v, lengths))
     row = f"B={case[0]} S={case[1]} {case[2]}/{case[3]} ({base * 1e6:.1f} us"
     row += f", {splits} splits):"
@@ -179,7 +179,7 @@ def table(num_tokens, rng):
       # The pages are arguments (a closure would make them constants).
       impls[f"jflash_paged{page_size}"] = (
           lambda q, k, v, lengths, kp, vp, t: jflash.decode_attention(
-              q, kp, vp, lengths, block_table=t, implementation="triton"),
+              q, kp, vp, lengths, block_table=t, implementation="decode"),
           (k_pages, v_pages, block_table))
     for name, fn in impls.items():
       fn, extra = fn if isinstance(fn, tuple) else (fn, ())

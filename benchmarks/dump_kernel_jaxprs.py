@@ -197,7 +197,7 @@ def _decode_texts():
       k = jnp.ones((batch * pages, page_size, kv_heads, head_dim), dtype)
       kwargs["block_table"] = jnp.arange(batch * pages).reshape(batch, pages)
     run = lambda q, k, v, kwargs=kwargs: jflash.decode_attention(
-        q, k, v, lengths, interpret=True, implementation="triton", **kwargs)
+        q, k, v, lengths, interpret=True, implementation="decode", **kwargs)
     jaxpr = jax.make_jaxpr(run)(q, k, k)
     body = "\n\n".join(_describe(e) for e in test_util.equations(
         jaxpr.jaxpr, "pallas_call"))

@@ -163,7 +163,7 @@ def decode_coverage():
     rows = tokens * heads // kv_heads
     try:
       out = jax.jit(lambda q, k, v: jflash.decode_attention(
-          q, k, v, lengths, implementation="triton"))(q, k, v)
+          q, k, v, lengths, implementation="decode"))(q, k, v)
       ref = jflash.decode_attention(q, k, v, lengths, implementation="xla")
       outcome = f"ok, relative error {_relative_error(out, ref):.1e}"
     except Exception as e:  # pylint: disable=broad-except

@@ -5,18 +5,19 @@ from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jflash
-from jflash._src import decode
 from jflash._src.backends.triton import decode as triton_decode
+from jflash._src.backends.triton import decode_backend
 from tests import test_util
 from tests import tolerances
 
 # Both implementations; the kernel through the interpreter on CPU.
-IMPLEMENTATIONS = (("triton", dict(implementation="triton",
+IMPLEMENTATIONS = (("decode", dict(implementation="decode",
                                    interpret=test_util.INTERPRET)),
                    ("xla", dict(implementation="xla")))
 
@@ -81,11 +82,12 @@ class DecodeTest(parameterized.TestCase):
     super().setUp()
     # 16-key tiles: the short test caches cross several tiles and splits.
     self.enter_context(mock.patch.object(
-        decode, "DEFAULT_LAUNCH", decode.DecodeLaunch(block_k=16)))
+        decode_backend, "DEFAULT_LAUNCH", decode_backend.DecodeLaunch(block_k=16)))
 
   def _check(self, options, q, k, v, lengths, **kwargs):
     out, lse = jflash.decode_attention(q, k, v, lengths,
-                                       return_residuals=True, **options,
+                                       return_residual=True,
+                                       residual_dtype=jnp.float32, **options,
                                        **kwargs)
     names = dict(is_causal="is_causal", local_window_size="window",
                  logits_soft_cap="soft_cap", sinks="sinks",
@@ -163,8 +165,8 @@ class DecodeTest(parameterized.TestCase):
     np.testing.assert_allclose(out_paged, out_dense, atol=2e-6, rtol=2e-6)
 
   @parameterized.named_parameters(
-      ("triton_gathered_tiles", "triton", 16, 5),
-      ("triton_tiles_in_one_page", "triton", 64, 1),
+      ("decode_gathered_tiles", "decode", 16, 5),
+      ("decode_tiles_in_one_page", "decode", 64, 1),
       ("xla", "xla", 16, 5))
   def test_nothing_past_the_lengths_is_read(self, implementation, page_size,
                                             num_tokens):
@@ -175,7 +177,7 @@ class DecodeTest(parameterized.TestCase):
     # Nothing of it may reach the output (a masked product would still give
     # 0 * NaN).
     self.enter_context(mock.patch.object(
-        decode, "DEFAULT_LAUNCH", decode.DecodeLaunch(block_k=32)))
+        decode_backend, "DEFAULT_LAUNCH", decode_backend.DecodeLaunch(block_k=32)))
     options = dict(IMPLEMENTATIONS)[implementation]
     q, k, v = _inputs(9, num_tokens=num_tokens, num_heads=8, num_kv_heads=2,
                       kv_seq=192)
@@ -210,18 +212,18 @@ class DecodeTest(parameterized.TestCase):
     q, k, v = _inputs(3, num_tokens=2)
     lengths = jnp.array([96, 40, 0], jnp.int32)
     results = [jflash.decode_attention(
-        q, k, v, lengths, implementation="triton",
+        q, k, v, lengths, implementation="decode",
         interpret=test_util.INTERPRET, num_splits=splits)
                for splits in (1, 2, 7, 6)]  # 6: one 16-key tile each.
     for result in results[1:]:
       np.testing.assert_allclose(result, results[0], atol=2e-6, rtol=2e-6)
-    self._check(dict(implementation="triton", interpret=test_util.INTERPRET,
+    self._check(dict(implementation="decode", interpret=test_util.INTERPRET,
                      num_splits=7), q, k, v, lengths)
 
   def test_bfloat16_cache(self):
     q, k, v = _inputs(4, dtype="bfloat16", num_tokens=1, num_heads=8,
                       num_kv_heads=1)
-    self._check(dict(implementation="triton", interpret=test_util.INTERPRET,
+    self._check(dict(implementation="decode", interpret=test_util.INTERPRET,
                      num_splits=3), q, k, v,
                 jnp.array([96, 33, 64], jnp.int32))
 
@@ -231,7 +233,7 @@ class DecodeTest(parameterized.TestCase):
     expected = jflash.flash_attention(
         q, k, v, is_causal=True, causal_alignment="bottom_right",
         key_value_seq_lengths=lengths, implementation="xla")
-    ours = jflash.decode_attention(q, k, v, lengths, implementation="triton",
+    ours = jflash.decode_attention(q, k, v, lengths, implementation="decode",
                                    interpret=test_util.INTERPRET)
     np.testing.assert_allclose(ours, expected, atol=2e-5, rtol=2e-5)
 
@@ -257,18 +259,63 @@ class DecodeTest(parameterized.TestCase):
     # No split once B x K programs fill the GPU; else enough to fill it,
     # at least four key tiles each. (A GPU of 132 multiprocessors.)
     self.enter_context(mock.patch.object(
-        decode.platform, "multiprocessor_count", return_value=132))
-    self.assertEqual(decode.default_num_splits(64, 8, 4096, 64), 1)
-    self.assertEqual(decode.default_num_splits(1, 8, 32768, 64), 33)
-    self.assertEqual(decode.default_num_splits(1, 8, 256, 64), 1)
-    self.assertEqual(decode.default_num_splits(8, 8, 8192, 64), 5)
+        decode_backend.platform, "multiprocessor_count", return_value=132))
+    self.assertEqual(decode_backend.default_num_splits(64, 8, 4096, 64), 1)
+    self.assertEqual(decode_backend.default_num_splits(1, 8, 32768, 64), 33)
+    self.assertEqual(decode_backend.default_num_splits(1, 8, 256, 64), 1)
+    self.assertEqual(decode_backend.default_num_splits(8, 8, 8192, 64), 5)
 
-  def test_differentiating_raises(self):
-    q, k, v = _inputs(6, batch=1)
-    fn = lambda q: jflash.decode_attention(
-        q, k, v, jnp.array([96]), implementation="xla").sum()
-    with self.assertRaisesRegex(NotImplementedError, "forward only"):
-      jax.grad(fn)(q)
+  def test_gradients_of_a_dense_cache_paged_raises(self):
+    # decode_attention is flash_attention's call: a dense cache is
+    # differentiable (the forward on the decode kernel, the backward on
+    # another backend); a paged cache is read in the forward only.
+    q, k, v = _inputs(6, batch=1, num_tokens=2, num_heads=4, num_kv_heads=2)
+    lengths = jnp.array([50])
+    loss = lambda q, k, v, **kw: jflash.decode_attention(
+        q, k, v, lengths, **kw).sum()
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, implementation="xla")
+    expected = jax.grad(lambda q, k, v: jflash.flash_attention(
+        q, k, v, is_causal=True, causal_alignment="bottom_right",
+        key_value_seq_lengths=lengths, implementation="xla").sum(),
+                        argnums=(0, 1, 2))(q, k, v)
+    chex.assert_trees_all_close(grads, expected, atol=1e-6, rtol=1e-6)
+    pages = k.reshape(6, 16, 2, 32)
+    table = jnp.arange(6)[None]
+    with self.assertRaisesRegex(NotImplementedError,
+                                "paged cache.*forward pass only"):
+      jax.grad(lambda q: loss(q, pages, pages, block_table=table))(q)
+
+  def test_deprecated_spellings_warn_and_keep_working(self):
+    q, k, v = _inputs(14, num_tokens=1)
+    lengths = jnp.array([96, 30, 5], jnp.int32)
+    with self.assertWarnsRegex(DeprecationWarning, "return_residuals"):
+      out, lse = jflash.decode_attention(q, k, v, lengths,
+                                         return_residuals=True)
+    self.assertEqual(lse.dtype, jnp.float32)
+    ours = jflash.decode_attention(q, k, v, lengths, return_residual=True)
+    chex.assert_trees_all_equal((out, lse), ours)
+    with self.assertWarnsRegex(DeprecationWarning, "'decode'"):
+      old = jflash.decode_attention(q, k, v, lengths, implementation="triton",
+                                    interpret=test_util.INTERPRET)
+    new = jflash.decode_attention(q, k, v, lengths, implementation="decode",
+                                  interpret=test_util.INTERPRET)
+    chex.assert_trees_all_equal(old, new)
+
+  def test_window_without_causality_sits_at_the_end_in_both_functions(self):
+    # One window semantics: bottom-right alignment places the window at
+    # the end of the cache also without the causal mask.
+    q, k, v = _inputs(15, num_tokens=2)
+    lengths = jnp.array([96, 30, 5], jnp.int32)
+    ours = jflash.decode_attention(q, k, v, lengths, is_causal=False,
+                                   local_window_size=(10, 0),
+                                   implementation="xla")
+    theirs = jflash.flash_attention(
+        q, k, v, causal_alignment="bottom_right", local_window_size=(10, 0),
+        key_value_seq_lengths=lengths, implementation="xla")
+    chex.assert_trees_all_equal(ours, theirs)
+    ref, _ = reference(q, k, v, np.asarray(lengths), is_causal=False,
+                       window=(10, 0))
+    np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=2e-5)
 
   @parameterized.named_parameters(
       ("too_many_tokens", dict(num_tokens=17), {}, ValueError,
@@ -287,7 +334,7 @@ class DecodeTest(parameterized.TestCase):
                                                                 jnp.int32)),
        ValueError, "page_size a multiple of 16"),
       ("splits", {}, dict(num_splits=0), ValueError, "num_splits"),
-      ("implementation", {}, dict(implementation="cudnn"), ValueError,
+      ("implementation", {}, dict(implementation="bogus"), ValueError,
        "implementation must be one of"),
       ("three_d", dict(batch=None), {}, ValueError, "decode_attention takes"),
   )
@@ -310,7 +357,7 @@ class FlashAttentionDecodeBackendTest(parameterized.TestCase):
   def setUp(self):
     super().setUp()
     self.enter_context(mock.patch.object(
-        decode, "DEFAULT_LAUNCH", decode.DecodeLaunch(block_k=16)))
+        decode_backend, "DEFAULT_LAUNCH", decode_backend.DecodeLaunch(block_k=16)))
 
   @parameterized.named_parameters(
       ("causal_top_left", dict(is_causal=True)),
@@ -366,7 +413,7 @@ class FlashAttentionDecodeBackendTest(parameterized.TestCase):
                 (out, lse))
       return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
-    with test_util.decode_backend_by_default() as kernel_calls:
+    with test_util.decode_kernel_spy() as kernel_calls:
       grads, (out, lse) = value_and_grads(None,
                                           interpret=test_util.INTERPRET)
     self.assertGreater(kernel_calls.call_count, 0)
@@ -387,12 +434,6 @@ class FlashAttentionDecodeBackendTest(parameterized.TestCase):
     with self.assertRaisesRegex(NotImplementedError, "decode takes at most "
                                 "16 query rows per sequence; got q_len=17"):
       run(q17)
-    wide = jnp.ones((1, 16, 32, 8))
-    kv = jnp.ones((1, 40, 2, 8))
-    with self.assertRaisesRegex(NotImplementedError, "at most 128 query "
-                                "rows per kv head .* 16 x 16 = 256"):
-      jflash.flash_attention(wide, kv, kv, implementation="decode",
-                             interpret=test_util.INTERPRET)
 
 
 if __name__ == "__main__":

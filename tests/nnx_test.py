@@ -144,7 +144,7 @@ class NnxTest(parameterized.TestCase):
     x = _inputs(6, length=12)
     full = nnx.jit(lambda m, x: m(x, is_causal=True))(ours, x)
     ours.init_cache(x.shape)
-    with test_util.decode_backend_by_default() as kernel_calls:
+    with test_util.decode_kernel_spy() as kernel_calls:
       step = nnx.jit(lambda m, token: m(token, decode=True))
       steps = [step(ours, x[:, t:t + 1]) for t in range(12)]
     self.assertGreater(kernel_calls.call_count, 0)

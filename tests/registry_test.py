@@ -37,10 +37,9 @@ class RegistryTest(absltest.TestCase):
     listing = {b["name"]: b for b in jflash.implementations()}
     self.assertEqual(list(listing),
                      ["decode", "mosaic", "triton", "xla", "cudnn"])
-    self.assertFalse(listing["decode"]["named_only"])
-    self.assertEqual(listing["decode"]["default_min_kv_len"], 2048)
     self.assertEqual(listing["decode"]["passes"], ["forward"])
-    self.assertEqual(listing["decode"]["max_q_len"], 16)
+    self.assertIn("at most 16 query rows", listing["decode"]["limits"])
+    self.assertIn("paged", listing["decode"]["mask_features"])
     triton, xla, cudnn = listing["triton"], listing["xla"], listing["cudnn"]
     mosaic = listing["mosaic"]
     self.assertEqual(triton["available"], test_util.ON_GPU)
@@ -48,13 +47,20 @@ class RegistryTest(absltest.TestCase):
     on_hopper = platform.cuda_compute_capability() == "9.0"
     self.assertEqual(mosaic["available"], on_hopper)
     self.assertEqual(mosaic["default_here"], on_hopper)
-    self.assertEqual(mosaic["compute_capabilities"], ["9.0"])
-    self.assertEqual(mosaic["head_dims"], [64, 128, 256])
+    self.assertIn("head dims 64, 128, 256; compute capability 9.0",
+                  mosaic["limits"])
+    self.assertEqual(mosaic["unavailable_reason"] is None, on_hopper)
     self.assertFalse(mosaic["interpretable"])
     self.assertEqual(xla["default_here"], not test_util.ON_GPU)
-    self.assertEqual(xla["fallback_on"], ["cuda"])
-    self.assertTrue(cudnn["named_only"])
+    self.assertEqual(xla["role_here"],
+                     "fallback" if test_util.ON_GPU else "default")
+    self.assertEqual(cudnn["role_here"], "named only")
     self.assertFalse(cudnn["default_here"])
+    # Available means it runs here: cuDNN needs a CUDA GPU.
+    self.assertEqual(cudnn["available"], test_util.ON_GPU)
+    for entry in listing.values():
+      self.assertEqual(entry["available"],
+                       entry["unavailable_reason"] is None)
     self.assertEqual(triton["max_head_dim"], 256)
     self.assertEqual(triton["arguments"], ["block_sizes", "interpret"])
     self.assertEqual(mosaic["arguments"], ["block_sizes"])
@@ -82,8 +88,10 @@ class RegistryTest(absltest.TestCase):
         q = jnp.ones(shape, dtype)
         call = api.describe(q, q, q, **options,
                             **(KERNELS if name == "triton" else {}))
-        reason = registry.unsupported_reason(
-            registry.get(name), call.spec, "forward", call.options)
+        with mock.patch.object(registry, "current_platform",
+                               return_value="cuda"):  # cuDNN needs a GPU.
+          reason = registry.unsupported_reason(
+              registry.get(name), call.spec, "forward", call.options)
         self.assertStartsWith(reason, expected)
         self.assertEqual(reason.count(". "), 0, msg=reason)
 
@@ -134,10 +142,10 @@ class RegistryTest(absltest.TestCase):
             f"implementation='{named}'"):
           registry.plan(call.spec, named, call.options)
 
-  def test_decode_calls_go_to_the_decode_kernel_from_2048_keys(self):
-    # On a Hopper GPU (mocked): a few new tokens against a long cache run
-    # the split-K decode kernel forward (the backward stays with the
-    # training kernels); a short cache, or many query rows, does not.
+  def test_decode_calls_go_to_the_decode_kernel(self):
+    # On a Hopper GPU (mocked): a few new tokens run the split-K decode
+    # kernel forward at any cache length (the backward stays with the
+    # training kernels); more than 16 query rows per sequence do not.
     lengths = jnp.array([3000], jnp.int32)
     with mock.patch.object(registry, "current_platform",
                            return_value="cuda"), \
@@ -145,7 +153,7 @@ class RegistryTest(absltest.TestCase):
                           return_value="9.0"):
       for q_len, kv_len, expected in ((1, 4096, "decode"),
                                       (16, 2048, "decode"),
-                                      (1, 2047, "mosaic"),
+                                      (1, 256, "decode"),
                                       (17, 4096, "mosaic")):
         q = jnp.ones((1, q_len, 8, 64), jnp.bfloat16)
         k = jnp.ones((1, kv_len, 2, 64), jnp.bfloat16)

@@ -4,7 +4,6 @@ the runner of a test file's cases on fake CPU devices."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import re
@@ -33,18 +32,14 @@ SMALL_BLOCKS = jflash.BlockSizes(
 
 
 @contextlib.contextmanager
-def decode_backend_by_default():
-  """The "decode" backend chosen by implementation=None from any cache
-  length (its default_min_kv_len lifted); yields a spy on its kernel."""
+def decode_kernel_spy():
+  """A spy on the "decode" backend's kernel (implementation=None chooses
+  the backend for every call it supports)."""
   # pylint: disable=g-import-not-at-top
-  from jflash._src import decode
-  from jflash._src import registry
-  backend = registry.get("decode")
-  anywhere = dataclasses.replace(backend, capabilities=dataclasses.replace(
-      backend.capabilities, default_min_kv_len=None))
-  with mock.patch.dict(registry._REGISTRY, {"decode": anywhere}), \
-      mock.patch.object(decode, "kernel_attention",
-                        wraps=decode.kernel_attention) as kernel_calls:
+  from jflash._src.backends.triton import decode_backend
+  with mock.patch.object(decode_backend, "kernel_attention",
+                         wraps=decode_backend.kernel_attention
+                         ) as kernel_calls:
     yield kernel_calls
 
 

@@ -51,6 +51,7 @@ def flash_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
+    block_table: jax.typing.ArrayLike | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
 
@@ -102,17 +103,16 @@ def flash_attention(
 
   ALiBi: with `alibi_slopes`, logit (t, s) of head n gets the bias
   `-slopes[n] * |t + offset - s|`, computed in the kernels (no [T, S] array),
-  after the soft cap. The offset is the causal alignment's, the diagonal of
-  the causal mask and windows: 0 (top-left; always when is_causal=False) or
-  S - T (causal with causal_alignment="bottom_right", per batch element with
-  the lengths). For T = 2, S = 4, the bias / slope::
+  after the soft cap. The offset is the alignment's, the diagonal of the
+  causal mask and windows: 0 (top-left) or S - T
+  (causal_alignment="bottom_right", per batch element with the lengths). For T = 2, S = 4, the bias / slope::
 
       top_left        bottom_right
       0 -1 -2 -3      -2 -1  0 -1
      -1  0 -1 -2      -3 -2 -1  0
 
   FlashAttention's `alibi_slopes` always use bottom-right positions; with
-  is_causal=True and causal_alignment="bottom_right" (or T == S) the two
+  causal_alignment="bottom_right" (or T == S) the two
   agree. On the keys a causal row sees (s <= t + offset) the bias is
   slope * (s - t - offset), a per-row constant plus slope * s: there the
   offset moves the lse, not the output.
@@ -172,8 +172,9 @@ def flash_attention(
       any backend, slowly); used by the CPU test suite.
     logits_soft_cap: if set (a positive float), logits become
       cap * tanh(logits / cap) before the softmax (Gemma 2), in both passes.
-    causal_alignment: "top_left" (default, jax.nn) or "bottom_right"; only
-      used with is_causal=True.
+    causal_alignment: "top_left" (default, jax.nn) or "bottom_right": where
+      the rows sit, for the causal mask, windows and ALiBi alike (windows
+      and ALiBi use it also with is_causal=False).
     return_residual: as jax.nn: also return each row's natural-log
       log-sum-exp of its (scaled, capped) logits, [B, T, N] ([T, N]
       unbatched), in the inputs' dtype (jax.nn's choice) unless
@@ -207,6 +208,17 @@ def flash_attention(
       otherwise.
     broadcast_dropout: use one mask for every batch element and head
       (Flax's `broadcast_dropout=True`); default False: independent masks.
+    block_table: a paged KV cache (forward only: differentiating raises
+      NotImplementedError): `key` and `value` are pages [num_pages,
+      page_size, K, H], page_size a multiple of 16, and block_table, int
+      [B, max_pages], says where each sequence's keys live: position p of
+      sequence b is row p % page_size of page block_table[b, p //
+      page_size] (S = max_pages * page_size). Page ids are not checked when
+      the call runs: an id outside [0, num_pages) for a position below the
+      sequence's length is undefined behaviour, as in FlashAttention;
+      table entries and cache rows at or past key_value_seq_lengths never
+      affect the result. Not combinable with bias, mask, segment ids or
+      dropout.
 
   Returns:
     Array of `query`'s shape and dtype; with return_residual=True, the tuple
@@ -237,9 +249,17 @@ def flash_attention(
       causal_alignment=causal_alignment, return_residual=return_residual,
       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       sinks=sinks, alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
+      dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+      block_table=block_table)
   lse_dtype = validation.check_residual_dtype(
       residual_dtype, call.operands.query.dtype, return_residual)
+  return run(call, implementation, lse_dtype)
+
+
+def run(call: DescribedCall, implementation: str | None, lse_dtype=None):
+  """Runs a described call on the backends `registry.plan` chooses: the
+  output, and with `call.spec.return_lse` the natural lse in `lse_dtype`
+  (decode_attention shares it)."""
   plan = registry.plan(call.spec, implementation, call.options)
   spec = call.spec
   if 0 in (spec.batch, spec.q_len, spec.kv_len, spec.num_heads):
@@ -273,11 +293,21 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
              causal_alignment="top_left", return_residual=False,
              q_segment_ids=None, kv_segment_ids=None, sinks=None,
              alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-             broadcast_dropout=False) -> DescribedCall:
+             broadcast_dropout=False, block_table=None) -> DescribedCall:
   """Validates `flash_attention`'s arguments (same names and meaning) and
   describes the call; raises ValueError for bad input."""
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
-  validation.check_operands(query, key, value)
+  validation.check_operands(query, key, value,
+                            same_batch=block_table is None)
+  block_table = validation.check_block_table(block_table, query, key)
+  if block_table is not None:
+    combined = [name for name, x in (
+        ("bias", bias), ("mask", mask), ("q_segment_ids", q_segment_ids),
+        ("dropout_rate", dropout_rate or None)) if x is not None]
+    if combined:
+      raise NotImplementedError(
+          f"block_table (a paged cache) does not combine with "
+          f"{', '.join(combined)}.")
   if block_sizes is not None and not isinstance(
       block_sizes, (BlockSizes, MosaicBlockSizes)):
     raise ValueError(f"block_sizes must be a jflash.BlockSizes (Triton "
@@ -303,7 +333,7 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
     query, key, value = query[None], key[None], value[None]
     segment_ids = tuple(ids[None] for ids in segment_ids)
   batch, q_seq, num_heads, head_dim = query.shape
-  kv_seq = key.shape[1]
+  kv_seq = key.shape[1] * (1 if block_table is None else block_table.shape[1])
   scale = (1.0 / math.sqrt(head_dim) if scale is None
            else validation.check_static_float(scale, "scale"))
   per_head = functools.partial(modifiers.per_head, batch=batch,
@@ -320,7 +350,8 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
       alibi_slopes=per_head(alibi_slopes),
       dropout_seeds=dropout.seeds(dropout_rng, batch, num_heads,
                                   bool(broadcast_dropout))
-      if dropout_rate else None)
+      if dropout_rate else None,
+      block_table=block_table)
   spec = describe_call(
       operands, scale=scale, is_causal=is_causal, bottom_right=bottom_right,
       window=window, logits_soft_cap=logits_soft_cap,

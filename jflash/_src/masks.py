@@ -72,8 +72,9 @@ def _select(cond, a, b):
 
 
 def causal_offset(mask: MaskSpec, q_len, kv_len):
-  """How far right of the diagonal a row sees: 0 (top-left) or S - T."""
-  if not (mask.is_causal and mask.bottom_right):
+  """How far right of the diagonal a row sees: 0 (top-left) or S - T
+  (bottom-right: the causal mask, windows and ALiBi positions)."""
+  if not mask.bottom_right:
     return 0
   return kv_len - q_len
 

@@ -38,7 +38,7 @@ PASSES = (FORWARD, BACKWARD)
 
 # Every mask feature and option a call can use, as capabilities name them.
 MASK_FEATURES = ("causal", "bottom_right", "window", "lengths", "segments",
-                 "dense_mask")
+                 "dense_mask", "paged")
 OPTIONS = ("bias", "soft_cap", "sinks", "alibi", "dropout", "return_lse")
 
 
@@ -47,7 +47,8 @@ def call_features(spec: CallSpec) -> tuple[frozenset[str], frozenset[str]]:
   mask = spec.mask
   masks = {"causal": mask.is_causal, "bottom_right": mask.bottom_right,
            "window": mask.window is not None, "lengths": mask.has_lengths,
-           "segments": mask.has_segments, "dense_mask": mask.has_dense_mask}
+           "segments": mask.has_segments, "dense_mask": mask.has_dense_mask,
+           "paged": mask.paged}
   mods = spec.modifiers
   options = {"bias": spec.has_bias,
              "soft_cap": spec.logits_soft_cap is not None,
@@ -59,7 +60,10 @@ def call_features(spec: CallSpec) -> tuple[frozenset[str], frozenset[str]]:
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
-  """What a backend can run, per pass.
+  """What a backend can run, per pass: the limits several backends share.
+
+  A backend's own limits (exact head dims, query rows, a GPU generation)
+  are its `Backend.check` and `Backend.unavailable` instead.
 
   Attributes:
     passes: the passes it implements ("forward", "backward").
@@ -67,28 +71,8 @@ class Capabilities:
     max_head_dim: the largest head dimension, or None for any.
     mask_features: the mask features it supports (`MASK_FEATURES`).
     options: the options it supports (`OPTIONS`).
-    unsupported_together: (pass, features, what) triples: the features
-      (mask features or options) it cannot combine in that pass, and how to
-      say so, e.g. ("backward", frozenset({"bias", "alibi"}), "`bias`
-      together with `alibi_slopes`").
     platforms: JAX platforms it runs on ("cuda", "cpu", ...); None: any.
     interpretable: whether `interpret=True` runs it on any platform.
-    fallback_on: platforms where `implementation=None` chooses it only for
-      a pass no other backend can run, and warns (the "xla" path on a GPU:
-      correct, but it stores the [q_len, kv_len] scores).
-    named_only: it runs only when named (`implementation=...`), never
-      chosen by `implementation=None`.
-    head_dims: the exact head dimensions it takes, or None for any up to
-      `max_head_dim`.
-    compute_capabilities: on CUDA, the compute capabilities it runs on
-      (e.g. "9.0" for Hopper), or None for any.
-    max_q_len: the most query rows per sequence it takes, or None.
-    max_rows_per_kv_head: the most query rows per kv head (q_len x GQA
-      group) it takes, or None.
-    default_min_kv_len: `implementation=None` chooses it only for calls
-      with at least this many keys per sequence (a backend made for one
-      shape of call, such as decoding, where the others are as fast below
-      it); None: no such bound. Named, it runs any call it supports.
   """
 
   passes: frozenset[str]
@@ -96,42 +80,19 @@ class Capabilities:
   max_head_dim: int | None
   mask_features: frozenset[str]
   options: frozenset[str]
-  unsupported_together: tuple[tuple[str, frozenset[str], str], ...] = ()
   platforms: frozenset[str] | None = None
   interpretable: bool = False
-  fallback_on: frozenset[str] = frozenset()
-  named_only: bool = False
-  head_dims: frozenset[int] | None = None
-  compute_capabilities: frozenset[str] | None = None
-  max_q_len: int | None = None
-  max_rows_per_kv_head: int | None = None
-  default_min_kv_len: int | None = None
 
-  def describe(self) -> dict[str, Any]:
-    """A plain-data summary for users (`jflash.implementations()`)."""
-    return {
-        "passes": sorted(self.passes, key=PASSES.index),
-        "dtypes": list(self.dtypes),
-        "max_head_dim": self.max_head_dim,
-        "mask_features": sorted(self.mask_features,
-                                key=MASK_FEATURES.index),
-        "options": sorted(self.options, key=OPTIONS.index),
-        "unsupported_together": [
-            (pass_, sorted(combo))
-            for pass_, combo, _ in self.unsupported_together],
-        "platforms": None if self.platforms is None else sorted(
-            self.platforms),
-        "interpretable": self.interpretable,
-        "fallback_on": sorted(self.fallback_on),
-        "named_only": self.named_only,
-        "head_dims": None if self.head_dims is None else sorted(
-            self.head_dims),
-        "compute_capabilities": None if self.compute_capabilities is None
-        else sorted(self.compute_capabilities),
-        "max_q_len": self.max_q_len,
-        "max_rows_per_kv_head": self.max_rows_per_kv_head,
-        "default_min_kv_len": self.default_min_kv_len,
-    }
+
+# How `implementation=None` may choose a backend on a platform.
+DEFAULT = "default"  # In priority order, for the passes it supports.
+FALLBACK = "fallback"  # Only for a pass no default backend runs; warns.
+NAMED_ONLY = "named only"  # Never; it runs when named.
+
+
+def _always_default(platform_name: str) -> str:
+  del platform_name
+  return DEFAULT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +121,13 @@ class Backend:
     direct: for a backend written in plain differentiable JAX, (spec,
       config, operands) -> out or (out, natural lse), used as is (JAX's
       autodiff, any order, forward mode too) when it runs both passes.
+    check: its own limits beyond `capabilities`: (spec, pass) -> why it
+      cannot run that pass of the call, in one sentence, or None.
+    limits: what `check` enforces, in words (`jflash.implementations()`).
+    unavailable: () -> why it cannot run on this machine beyond its
+      platforms (a GPU generation, a library), or None.
+    role: platform -> DEFAULT, FALLBACK or NAMED_ONLY: how
+      `implementation=None` may choose it there.
   """
 
   name: str
@@ -171,6 +139,10 @@ class Backend:
   differentiable: bool = False
   direct: Callable[..., Any] | None = None
   option_types: dict[str, type] = dataclasses.field(default_factory=dict)
+  check: Callable[[CallSpec, str], str | None] | None = None
+  limits: str = ""
+  unavailable: Callable[[], str | None] | None = None
+  role: Callable[[str], str] = _always_default
 
   def takes(self, options: dict[str, Any]) -> bool:
     """Whether every option set is one of its own (name and type)."""
@@ -206,6 +178,31 @@ def current_platform() -> str:
   return "cuda" if platform.cuda_gpu_available() else jax.default_backend()
 
 
+def unavailable_reason(backend: Backend, interpreted: bool = False
+                       ) -> str | None:
+  """Why `backend` cannot run on this machine, in one sentence, or None.
+
+  Args:
+    backend: the candidate.
+    interpreted: whether the call asks for the Pallas interpreter (which
+      runs an interpretable backend anywhere).
+  """
+  caps, name = backend.capabilities, backend.name
+  interpreted = interpreted and caps.interpretable
+  where = current_platform()
+  if (caps.platforms is not None and where not in caps.platforms
+      and not interpreted):
+    needs = " or ".join(_PLATFORM_NAMES.get(p, p) for p in
+                        sorted(caps.platforms))
+    hint = ("; pass interpret=True to run its kernels through the Pallas "
+            "interpreter" if caps.interpretable else "")
+    return (f"{name} needs {needs}, and JAX's default backend is "
+            f"{jax.default_backend()!r}{hint}.")
+  if backend.unavailable is not None and not interpreted:
+    return backend.unavailable()
+  return None
+
+
 def unsupported_reason(backend: Backend, spec: CallSpec, pass_: str,
                        options: dict[str, Any]) -> str | None:
   """Why `backend` cannot run `pass_` of the call, in one sentence, or None.
@@ -219,62 +216,30 @@ def unsupported_reason(backend: Backend, spec: CallSpec, pass_: str,
   caps, name = backend.capabilities, backend.name
   if pass_ not in caps.passes:
     return f"{name} has no {pass_} pass."
-  where = current_platform()
-  interpreted = caps.interpretable and options.get("interpret", False)
-  if (caps.platforms is not None and where not in caps.platforms
-      and not interpreted):
-    needs = " or ".join(_PLATFORM_NAMES.get(p, p) for p in
-                        sorted(caps.platforms))
-    hint = ("; pass interpret=True to run its kernels through the Pallas "
-            "interpreter" if caps.interpretable else "")
-    return (f"{name} needs {needs}, and JAX's default backend is "
-            f"{jax.default_backend()!r}{hint}.")
-  capability = platform.cuda_compute_capability()
-  if (caps.compute_capabilities is not None and not interpreted
-      and capability not in caps.compute_capabilities):
-    return (f"{name} needs a GPU of compute capability "
-            f"{' or '.join(sorted(caps.compute_capabilities))}; this one "
-            f"is {capability}.")
+  reason = unavailable_reason(backend, bool(options.get("interpret", False)))
+  if reason is not None:
+    return reason
   if spec.dtype not in caps.dtypes:
     return (f"{name} supports dtypes {', '.join(caps.dtypes)}; got "
             f"{spec.dtype}.")
   if caps.max_head_dim is not None and spec.head_dim > caps.max_head_dim:
     return (f"{name} supports head_dim <= {caps.max_head_dim}; got "
             f"head_dim={spec.head_dim}.")
-  if caps.head_dims is not None and spec.head_dim not in caps.head_dims:
-    return (f"{name} supports head_dim in "
-            f"{{{', '.join(map(str, sorted(caps.head_dims)))}}}; got "
-            f"head_dim={spec.head_dim}.")
-  if caps.max_q_len is not None and spec.q_len > caps.max_q_len:
-    return (f"{name} takes at most {caps.max_q_len} query rows per "
-            f"sequence; got q_len={spec.q_len}.")
-  rows = spec.q_len * spec.group
-  if (caps.max_rows_per_kv_head is not None
-      and rows > caps.max_rows_per_kv_head):
-    return (f"{name} takes at most {caps.max_rows_per_kv_head} query rows "
-            f"per kv head (q_len x group); got {spec.q_len} x "
-            f"{spec.group} = {rows}.")
   masks, opts = call_features(spec)
   missing = sorted((masks - caps.mask_features) | (opts - caps.options))
   if missing:
     return f"{name} does not support {', '.join(missing)}."
-  for combo_pass, combo, reason in caps.unsupported_together:
-    if combo_pass == pass_ and combo <= masks | opts:
-      return f"{name}'s {pass_} pass does not support {reason}."
+  if backend.check is not None:
+    return backend.check(spec, pass_)
   return None
 
 
-def _is_default_here(backend: Backend, spec: CallSpec | None = None) -> bool:
-  caps = backend.capabilities
-  if (spec is not None and caps.default_min_kv_len is not None
-      and spec.kv_len < caps.default_min_kv_len):
-    return False
-  return not caps.named_only and current_platform() not in caps.fallback_on
+def _is_default_here(backend: Backend) -> bool:
+  return backend.role(current_platform()) == DEFAULT
 
 
 def _is_fallback_here(backend: Backend) -> bool:
-  caps = backend.capabilities
-  return not caps.named_only and current_platform() in caps.fallback_on
+  return backend.role(current_platform()) == FALLBACK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,16 +306,20 @@ def plan(spec: CallSpec, implementation: str | None,
       chosen[pass_] = candidates[0]
       continue
     chosen[pass_], reasons = _first_supporting(
-        [b for b in candidates if _is_default_here(b, spec)], spec, pass_,
+        [b for b in candidates if _is_default_here(b)], spec, pass_,
         options)
     if chosen[pass_] is None:
       chosen[pass_], more = _first_supporting(
           [b for b in candidates if _is_fallback_here(b)], spec, pass_,
           options)
       if chosen[pass_] is None:
-        raise NotImplementedError(
-            f"jflash.flash_attention: no implementation can run the {pass_} "
-            f"pass of this call: {' '.join(reasons + more)}")
+        error = (f"jflash.flash_attention: no implementation can run the "
+                 f"{pass_} pass of this call: {' '.join(reasons + more)}")
+        if pass_ == FORWARD:
+          raise NotImplementedError(error)
+        # Forward only (a paged cache, say): differentiating raises this.
+        backward_error = error
+        continue
       warnings.warn(
           f"jflash.flash_attention: running the {pass_} pass on the "
           f"{chosen[pass_].name!r} fallback: {' '.join(reasons)}",
@@ -379,27 +348,79 @@ def _first_supporting(backends, spec, pass_, options):
   return None, reasons
 
 
-def implementations() -> list[dict[str, Any]]:
+class Implementations(list):
+  """`jflash.implementations()`: a list of one dict per backend that prints
+  as a table: a row per backend (whether it runs here, passes, dtypes, head
+  dims, arguments), then its masks and options and its own limits."""
+
+  _COLUMNS = (("name", "backend"), ("here", "here"), ("passes", "passes"),
+              ("dtypes", "dtypes"), ("head_dims", "head dims"),
+              ("arguments", "arguments"))
+
+  @staticmethod
+  def _here(entry) -> str:
+    if entry["available"]:
+      return entry["role_here"]
+    reason = entry["unavailable_reason"].removeprefix(entry["name"] + " ")
+    reason = reason.split(", and ")[0].split("; ")[0].rstrip(".")
+    if entry["interpretable"]:
+      reason += " (interpret=True runs it)"
+    return f"no: {reason}"
+
+  def __str__(self) -> str:
+    rows = [dict(
+        name=e["name"], here=self._here(e), passes=" + ".join(e["passes"]),
+        dtypes=" ".join(e["dtypes"]),
+        head_dims=("any" if e["max_head_dim"] is None
+                   else f"<= {e['max_head_dim']}"),
+        arguments=", ".join(e["arguments"]) or "-") for e in self]
+    widths = {key: max(len(title), *(len(r[key]) for r in rows))
+              for key, title in self._COLUMNS}
+    line = lambda cells: "  ".join(
+        cells[key].ljust(widths[key]) for key, _ in self._COLUMNS).rstrip()
+    indent = " " * (widths["name"] + 2)
+    lines = [line(dict(self._COLUMNS))]
+    for row, entry in zip(rows, self):
+      lines.append(line(row))
+      lines.append(f"{indent}supports: "
+                   + ", ".join(entry["mask_features"] + entry["options"]))
+      if entry["limits"]:
+        lines.append(f"{indent}limits: {entry['limits']}")
+    return "\n".join(lines)
+
+  def __repr__(self) -> str:
+    return str(self)
+
+
+def implementations() -> Implementations:
   """The registered backends, in priority order, and what each supports.
 
   Returns:
-    One dict per backend: "name"; "available": whether it can run on this
-    machine (without `interpret`); "default_here": whether
-    `implementation=None` may choose it on this machine; "arguments": the
-    backend-specific keyword arguments of `flash_attention` it takes; and
-    its capabilities (`Capabilities.describe`).
+    An `Implementations` (a list that prints as a table) of one dict per
+    backend: "name"; "available": whether it can run on this machine
+    (without `interpret`), and "unavailable_reason" (one sentence, or None);
+    "role_here": how `implementation=None` may choose it here ("default",
+    "fallback": only for what no default backend runs, "named only");
+    "default_here": available and "default"; "arguments": the
+    backend-specific keyword arguments of `flash_attention` it takes;
+    "limits": its own limits in words; and its capabilities ("passes",
+    "dtypes", "max_head_dim", "mask_features", "options", "platforms",
+    "interpretable").
   """
-  result = []
+  result = Implementations()
   for name in names():
     backend = get(name)
     caps = backend.capabilities
-    available = (caps.platforms is None
-                 or current_platform() in caps.platforms) and (
-                     caps.compute_capabilities is None
-                     or platform.cuda_compute_capability()
-                     in caps.compute_capabilities)
+    reason = unavailable_reason(backend)
+    role = backend.role(current_platform())
     result.append(dict(
-        name=name, available=available,
-        default_here=available and _is_default_here(backend),
-        arguments=sorted(backend.option_names), **caps.describe()))
+        name=name, available=reason is None, unavailable_reason=reason,
+        role_here=role, default_here=reason is None and role == DEFAULT,
+        arguments=sorted(backend.option_names), limits=backend.limits,
+        passes=sorted(caps.passes, key=PASSES.index),
+        dtypes=list(caps.dtypes), max_head_dim=caps.max_head_dim,
+        mask_features=sorted(caps.mask_features, key=MASK_FEATURES.index),
+        options=sorted(caps.options, key=OPTIONS.index),
+        platforms=None if caps.platforms is None else sorted(caps.platforms),
+        interpretable=caps.interpretable))
   return result

@@ -34,16 +34,21 @@ class MaskSpec:
     has_lengths: whether per-batch lengths were given. Without them the
       lengths are the static array lengths, and a kernel may use them as
       compile-time constants.
-    bottom_right: causal alignment (with is_causal): False for top-left
-      (query row r sees keys c <= r, jax.nn's convention), True for
-      bottom-right (c <= r + kv_len - q_len, FlashAttention's and KV-cache
-      prefill's convention; rows with r + kv_len - q_len < 0 see nothing).
+    bottom_right: alignment of the causal mask, windows and ALiBi
+      positions: False for top-left (query row r sits at position r: with
+      is_causal it sees keys c <= r, jax.nn's convention), True for
+      bottom-right (row r sits at r + kv_len - q_len: c <= r + kv_len -
+      q_len, FlashAttention's and KV-cache prefill's convention; rows with
+      r + kv_len - q_len < 0 see nothing). Only set when something uses
+      positions (causal, a window or ALiBi).
     window: (left, right) local window, as jax.nn's local_window_size: row r
       sees keys r + offset - left <= c <= r + offset + right (offset as for
       the causal mask). None: no window.
     has_segments: whether segment ids were given (packed sequences): row r
       sees column c only if their ids are equal.
     has_dense_mask: whether a dense boolean mask was given.
+    paged: whether the keys and values are a paged cache read through a
+      block table (`Operands.block_table`).
   """
 
   is_causal: bool
@@ -52,6 +57,7 @@ class MaskSpec:
   window: tuple[int, int] | None = None
   has_segments: bool = False
   has_dense_mask: bool = False
+  paged: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +98,9 @@ class Operands:
 
   Attributes:
     query: [B, T, N, H].
-    key: [B, S, K, H].
-    value: [B, S, K, H].
+    key: [B, S, K, H]; with `block_table`, pages [P, page_size, K, H]
+      (S = max_pages * page_size).
+    value: shaped as `key`.
     q_lengths: int32 [B], valid query rows, in [0, T].
     kv_lengths: int32 [B], valid keys, in [0, S].
     q_segment_ids: int32 [B, T], packed-sequence ids of the queries.
@@ -104,6 +111,8 @@ class Operands:
     sinks: float32 [B, N], natural-log sink logits.
     alibi_slopes: float32 [B, N].
     dropout_seeds: uint32 [B, N, 2] (dropout.seeds).
+    block_table: int32 [B, max_pages]: sequence b's position p lives in
+      page block_table[b, p // page_size] at row p % page_size.
   """
 
   query: jax.Array
@@ -118,11 +127,19 @@ class Operands:
   sinks: jax.Array | None = None
   alibi_slopes: jax.Array | None = None
   dropout_seeds: jax.Array | None = None
+  block_table: jax.Array | None = None
+
+  @property
+  def kv_seq(self) -> int:
+    """S: keys per sequence (pages per sequence x page size when paged)."""
+    if self.block_table is None:
+      return self.key.shape[1]
+    return self.block_table.shape[1] * self.key.shape[1]
 
   def lengths(self) -> tuple[jax.Array, jax.Array]:
     """(q_lengths, kv_lengths), the full lengths where none were given."""
     batch, q_seq = self.query.shape[:2]
-    kv_seq = self.key.shape[1]
+    kv_seq = self.kv_seq
     full = lambda n: jnp.full((batch,), n, jnp.int32)
     return (full(q_seq) if self.q_lengths is None else self.q_lengths,
             full(kv_seq) if self.kv_lengths is None else self.kv_lengths)
@@ -186,14 +203,18 @@ def describe_call(operands: Operands, *, scale: float, is_causal: bool,
     raise ValueError(f"dropout_rate={dropout_rate} needs dropout seeds, and "
                      "seeds need a positive rate.")
   batch, q_len, num_heads, head_dim = operands.query.shape
-  kv_len, num_kv_heads = operands.key.shape[1:3]
+  kv_len, num_kv_heads = operands.kv_seq, operands.key.shape[2]
+  # The alignment matters only where positions do (one spec otherwise).
+  uses_positions = (is_causal or window is not None
+                    or operands.alibi_slopes is not None)
   mask = MaskSpec(
       is_causal=bool(is_causal),
       has_lengths=(operands.q_lengths is not None
                    or operands.kv_lengths is not None),
-      bottom_right=bool(is_causal and bottom_right), window=window,
+      bottom_right=bool(bottom_right and uses_positions), window=window,
       has_segments=operands.q_segment_ids is not None,
-      has_dense_mask=operands.mask is not None)
+      has_dense_mask=operands.mask is not None,
+      paged=operands.block_table is not None)
   modifiers = ModifierSpec(has_sinks=operands.sinks is not None,
                            has_alibi=operands.alibi_slopes is not None,
                            dropout_rate=float(dropout_rate))

@@ -50,6 +50,37 @@ def check_operands(query, key, value, *, same_batch: bool = True):
     raise ValueError(f"head_dim must be positive; got {shapes}.")
 
 
+# Paged caches: page sizes are multiples of this (the decode kernel's
+# smallest key tile).
+PAGE_MULTIPLE = 16
+
+
+def check_block_table(block_table, query, key):
+  """Validates a paged cache's block table (int [batch, max_pages]) and page
+  size; returns it as int32, or None without one."""
+  if block_table is None:
+    return None
+  block_table = jnp.asarray(block_table)
+  batch = query.shape[0] if query.ndim == 4 else 1
+  if (block_table.ndim != 2 or block_table.shape[0] != batch
+      or not jnp.issubdtype(block_table.dtype, jnp.integer)):
+    raise ValueError(
+        f"block_table must be an integer array [batch, max_pages] = "
+        f"[{batch}, max_pages]; got shape {block_table.shape} and dtype "
+        f"{block_table.dtype}.")
+  if query.ndim != 4:
+    raise ValueError("block_table needs batched inputs: query [batch, "
+                     "seq_len, num_heads, head_dim]; got query.shape="
+                     f"{query.shape}.")
+  page_size = key.shape[1]
+  if page_size % PAGE_MULTIPLE:
+    raise ValueError(
+        f"with block_table, key is [num_pages, page_size, kv_heads, "
+        f"head_dim] with page_size a multiple of {PAGE_MULTIPLE}; got "
+        f"key.shape={key.shape}.")
+  return block_table.astype(jnp.int32)
+
+
 def check_sinks(sinks, query_shape):
   """Validates sinks: a float [num_heads] array, or None."""
   if sinks is None:

@@ -177,13 +177,37 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   return out, lse
 
 
+def _gather_pages(pages, block_table):
+  """[P, page_size, K, H] pages -> each sequence's dense [B, max_pages *
+  page_size, K, H] cache (a copy: the XLA path's way to read pages)."""
+  gathered = pages[block_table]  # [B, max_pages, page_size, K, H].
+  return gathered.reshape(block_table.shape[0], -1, *pages.shape[2:])
+
+
+def dense_keys_values(operands: Operands):
+  """(key, value) as dense [B, S, K, H] arrays: pages gathered; with kv
+  lengths, entries at or past a sequence's length are zeros whatever the
+  cache holds there (a zero probability times a NaN value is still NaN)."""
+  key, value = operands.key, operands.value
+  if operands.block_table is not None:
+    key, value = (_gather_pages(x, operands.block_table)
+                  for x in (key, value))
+  if operands.kv_lengths is not None:
+    written = (jnp.arange(key.shape[1])[None, :]
+               < operands.kv_lengths[:, None])[:, :, None, None]
+    key, value = (jnp.where(written, x, jnp.zeros((), x.dtype))
+                  for x in (key, value))
+  return key, value
+
+
 def direct(spec: CallSpec, config, operands: Operands):
   """The whole call in plain JAX: out, or (out, natural lse [B, T, N])."""
   del config
   q_lens, kv_lens = operands.lengths()
   ids = operands.q_segment_ids
+  key, value = dense_keys_values(operands)
   return attention_reference(
-      operands.query, operands.key, operands.value, q_lens, kv_lens,
+      operands.query, key, value, q_lens, kv_lens,
       scale=spec.scale, is_causal=spec.mask.is_causal,
       bottom_right=spec.mask.bottom_right,
       logits_soft_cap=spec.logits_soft_cap, window=spec.mask.window,
@@ -305,10 +329,16 @@ BACKEND = registry.Backend(
         mask_features=frozenset(registry.MASK_FEATURES),
         options=frozenset(registry.OPTIONS),
         platforms=None,
-        # Quadratic memory: on a CUDA GPU, chosen only for what no kernel
-        # backend runs (with a warning), or when named.
-        fallback_on=frozenset({"cuda"}),
     ),
+    # Quadratic memory: on a CUDA GPU, chosen only for what no kernel
+    # backend runs (with a warning), or when named.
+    role=lambda where: (registry.FALLBACK if where == "cuda"
+                        else registry.DEFAULT),
+    check=lambda spec, pass_: (
+        "xla reads a paged cache (block_table) in the forward pass only."
+        if spec.mask.paged and pass_ == registry.BACKWARD else None),
+    limits=("stores the [q_len, kv_len] scores (memory quadratic); paged "
+            "caches in the forward pass only"),
     option_names=frozenset(),
     configure=lambda spec, options: None,
     forward=forward,

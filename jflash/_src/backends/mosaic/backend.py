@@ -30,13 +30,35 @@ CAPABILITIES = registry.Capabilities(
     passes=frozenset(registry.PASSES),
     dtypes=("bfloat16", "float16"),
     max_head_dim=256,
-    head_dims=frozenset({64, 128, 256}),
     mask_features=frozenset({"causal", "bottom_right", "window", "lengths",
                              "segments"}),
     options=frozenset({"soft_cap", "sinks", "return_lse"}),
     platforms=frozenset({"cuda"}),
-    compute_capabilities=frozenset({"9.0"}),
 )
+HEAD_DIMS = (64, 128, 256)
+COMPUTE_CAPABILITY = "9.0"  # Hopper: wgmma, TMA, setmaxnreg.
+
+
+def unavailable() -> str | None:
+  """Why the kernels cannot run on this GPU (they need Hopper), or None."""
+  capability = platform.cuda_compute_capability()
+  if capability != COMPUTE_CAPABILITY:
+    return (f"mosaic needs a GPU of compute capability {COMPUTE_CAPABILITY}"
+            f"; this one is {capability}.")
+  return None
+
+
+def check(spec: CallSpec, pass_: str) -> str | None:
+  """The kernels' exact head dims; bottom-right positions only with the
+  causal mask (a bottom-right window or ALiBi without it is Triton's)."""
+  del pass_
+  if spec.head_dim not in HEAD_DIMS:
+    return (f"mosaic supports head_dim in {{{', '.join(map(str, HEAD_DIMS))}"
+            f"}}; got head_dim={spec.head_dim}.")
+  if spec.mask.bottom_right and not spec.mask.is_causal:
+    return ("mosaic supports causal_alignment='bottom_right' only with "
+            "is_causal=True.")
+  return None
 
 
 def configure(spec: CallSpec, options: dict[str, Any]) -> MosaicConfig:
@@ -98,4 +120,9 @@ BACKEND = registry.Backend(
     configure=configure,
     forward=forward,
     backward=backward,
+    check=check,
+    limits=(f"head dims {', '.join(map(str, HEAD_DIMS))}; compute "
+            f"capability {COMPUTE_CAPABILITY} (Hopper); bottom_right only "
+            "when causal"),
+    unavailable=unavailable,
 )

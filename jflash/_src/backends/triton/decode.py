@@ -196,21 +196,17 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
                   slopes_ref, o_ref, lse_ref, *, mask: MaskSpec, scale: float,
                   soft_cap: float | None, block_k: int, head_dim: int,
                   num_tokens: int, group: int, num_splits: int,
-                  positions_from_end: bool, row_offset: int = 0):
+                  row_offset: int = 0):
   split, batch = pl.program_id(0), pl.program_id(1)
   rows_padded = q_ref.shape[0]
   kv_len = plgpu.load(lengths_ref.at[batch])
   load_tile = functools.partial(
       _dense_tile if table_ref is None else _paged_tile, block_k=block_k,
       head_dim=head_dim, batch=batch, table_ref=table_ref, kv_len=kv_len)
-  # Where token t sits: decode_attention puts it at L - T + t (q_len = T);
-  # flash_attention's convention is masks.causal_offset's, with the
-  # sequence's own query length.
+  # Where token t sits: masks.causal_offset with the sequence's own query
+  # length (bottom-right: position L - q_len + t).
   q_len = plgpu.load(q_lengths_ref.at[batch])
-  if positions_from_end:
-    offset = kv_len - q_len
-  else:
-    offset = masks.causal_offset(mask, q_len, kv_len)
+  offset = masks.causal_offset(mask, q_len, kv_len)
   rows = jnp.arange(rows_padded, dtype=jnp.int32)
   if row_offset:  # One of several launches over the packed rows.
     rows = rows + row_offset
@@ -270,7 +266,7 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
                 scale: float, soft_cap: float | None, num_tokens: int,
                 group: int, num_splits: int, block_k: int, num_warps: int,
                 num_stages: int, interpret: bool, out_dtype=jnp.float32,
-                positions_from_end: bool = True, row_offset: int = 0):
+                row_offset: int = 0):
   """The split partials of decode attention.
 
   Args:
@@ -292,10 +288,6 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
     interpret: run through the Pallas interpreter.
     out_dtype: the partial outputs' dtype (float32 to be combined; the
       query dtype when one split's output is final).
-    positions_from_end: token t sits at position L - q_len + t, for the
-      window and ALiBi too (decode_attention); False: flash_attention's
-      offsets (`masks.causal_offset`: L - q_len only for bottom-right
-      causal).
     row_offset: the packed row index of q_packed's first row (a launch
       over a slice of the rows; see `plan_launch`).
 
@@ -317,8 +309,7 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
   kernel = functools.partial(
       decode_kernel, mask=mask, scale=scale, soft_cap=soft_cap,
       block_k=block_k, head_dim=head_dim, num_tokens=num_tokens,
-      group=group, num_splits=num_splits,
-      positions_from_end=positions_from_end, row_offset=row_offset)
+      group=group, num_splits=num_splits, row_offset=row_offset)
   whole = lambda x: pl.BlockSpec(x.shape, lambda s, b, h: (0,) * x.ndim)
   optional = {
       "table_ref": (block_table, None if block_table is None

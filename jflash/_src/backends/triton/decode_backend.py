@@ -1,16 +1,15 @@
-"""The "decode" backend: flash_attention calls with few query rows per kv
-head (generation: 1-16 new tokens per sequence) on the split-K kernel of
-decode.py, with flash_attention's semantics (masks.py offsets, q lengths,
-the residual format). Forward only: the backward of such a call is chosen
-separately (the Triton kernels).
+"""The "decode" backend: the split-K kernel (decode.py) for calls with few
+query rows per sequence (generation: 1-16 new tokens), dense or paged
+caches; forward only (the backward of such a call is chosen separately).
 
-`implementation=None` chooses it, ahead of the training kernels, for the
-calls it supports with at least `default_min_kv_len` (2048) keys (its
-Capabilities below). Measured on an
-H100 (RECORD.md, "Decode on H100"; T=1, bf16, D=128, bottom-right causal
-with kv lengths): 2.3-5.9x faster than the Triton and Mosaic training
-kernels on GQA caches of 4k-32k keys, within 2-8% of them on MHA at 2048
-keys, and all within launch noise below 2048 keys.
+Host side: the query packing (the GQA group x tokens as the rows of one
+tile), the launch plan and split count, and the combine of the split
+partials through their lse (attention sinks as one more partial).
+
+`implementation=None` chooses it, ahead of the training kernels, for every
+call it supports (`check`): on an H100 it was 1.0-2.6x faster than the
+default route of the training kernels on decode batches of 512-32768 keys
+(RECORD.md, "Issue 12 (decoding)", and issue 23's table).
 """
 
 from __future__ import annotations
@@ -20,23 +19,192 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jflash._src import decode
+from jflash._src import numerics
+from jflash._src import platform
 from jflash._src import registry
+from jflash._src.backends.triton import decode as triton_decode
 from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
+
+# The most new tokens per sequence the kernel takes (a query tile of at
+# most MAX_NEW_TOKENS x the GQA group rows per kv head).
+MAX_NEW_TOKENS = 16
+# The fewest key tiles a split is given.
+MIN_TILES_PER_SPLIT = 4
+# Programs per multiprocessor that fill a GPU (two resident per SM).
+PROGRAMS_PER_SM = 2
+
+DecodeLaunch = triton_decode.DecodeLaunch
+# The preferred launch, read when a call is traced (benchmarks/decode.py
+# --sweep patches it); calls it does not fit take a fallback
+# (`triton_decode.plan_launch`).
+DEFAULT_LAUNCH = DecodeLaunch()
+
+
+def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
+                       block_k: int | None = None) -> int:
+  """Splits per (sequence, kv head): none when B x K programs already fill
+  the GPU, else enough to fill it, with at least MIN_TILES_PER_SPLIT key
+  tiles each (splits past a sequence's length do no work)."""
+  slots = PROGRAMS_PER_SM * platform.multiprocessor_count()
+  programs = batch * num_kv_heads
+  if programs >= 0.8 * slots:
+    return 1
+  tiles = -(-kv_seq // (block_k or DEFAULT_LAUNCH.block_k))
+  return max(1, min(-(-slots // programs), tiles // MIN_TILES_PER_SPLIT))
+
+
+def _pack(x, num_kv_heads: int, rows_padded: int):
+  """[B, T, N, ...] -> [B, K, rows_padded, ...]: row r = t * g + j holds
+  token t of query head kv * g + j; padding rows are zeros."""
+  batch, num_tokens, num_heads = x.shape[:3]
+  group = num_heads // num_kv_heads
+  x = x.reshape(batch, num_tokens, num_kv_heads, group, *x.shape[3:])
+  x = jnp.moveaxis(x, 2, 1).reshape(batch, num_kv_heads,
+                                    num_tokens * group, *x.shape[4:])
+  pad = [(0, 0), (0, 0), (0, rows_padded - num_tokens * group)]
+  return jnp.pad(x, pad + [(0, 0)] * (x.ndim - 3))
+
+
+def _unpack(x, num_tokens: int, num_heads: int):
+  """The inverse of `_pack`: [B, K, M, ...] -> [B, T, N, ...]."""
+  batch, num_kv_heads = x.shape[:2]
+  group = num_heads // num_kv_heads
+  x = x[:, :, :num_tokens * group]
+  x = x.reshape(batch, num_kv_heads, num_tokens, group, *x.shape[3:])
+  return jnp.moveaxis(x, 1, 2).reshape(batch, num_tokens, num_heads,
+                                       *x.shape[4:])
+
+
+def combine(out_parts, lse2_parts, sink2=None):
+  """Merges split partials through their base-2 lse.
+
+  Args:
+    out_parts: float32 [P, ..., H], each split's normalized output.
+    lse2_parts: float32 [P, ...], each split's lse (-inf: saw nothing).
+    sink2: float32 [...] base-2 sink logits, a partial with no value, or
+      None.
+
+  Returns:
+    (out [..., H], lse2 [...]); rows that saw nothing: 0 and -inf (with a
+    sink: 0 and the sink).
+  """
+  lse2_all = lse2_parts if sink2 is None else jnp.concatenate(
+      [lse2_parts, sink2[None]], axis=0)
+  top = jnp.max(lse2_all, axis=0)
+  # All -inf (nothing seen, no sink): weights of 0, never exp2(nan).
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  weights = jnp.exp2(lse2_all - top[None])
+  total = jnp.sum(weights, axis=0)
+  safe_total = jnp.where(total > 0.0, total, 1.0)
+  out = jnp.sum(weights[:lse2_parts.shape[0], ..., None] * out_parts,
+                axis=0) / safe_total[..., None]
+  lse2 = jnp.where(total > 0.0, top + jnp.log2(safe_total), -jnp.inf)
+  return out, lse2
+
+
+def combine(out_parts, lse2_parts, sink2=None):
+  """Merges split partials through their base-2 lse.
+
+  Args:
+    out_parts: float32 [P, ..., H], each split's normalized output.
+    lse2_parts: float32 [P, ...], each split's lse (-inf: saw nothing).
+    sink2: float32 [...] base-2 sink logits, a partial with no value, or
+      None.
+
+  Returns:
+    (out [..., H], lse2 [...]); rows that saw nothing: 0 and -inf (with a
+    sink: 0 and the sink).
+  """
+  lse2_all = lse2_parts if sink2 is None else jnp.concatenate(
+      [lse2_parts, sink2[None]], axis=0)
+  top = jnp.max(lse2_all, axis=0)
+  # All -inf (nothing seen, no sink): weights of 0, never exp2(nan).
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  weights = jnp.exp2(lse2_all - top[None])
+  total = jnp.sum(weights, axis=0)
+  safe_total = jnp.where(total > 0.0, total, 1.0)
+  out = jnp.sum(weights[:lse2_parts.shape[0], ..., None] * out_parts,
+                axis=0) / safe_total[..., None]
+  lse2 = jnp.where(total > 0.0, top + jnp.log2(safe_total), -jnp.inf)
+  return out, lse2
+
+
+def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
+                     *, mask, scale, soft_cap, num_splits, interpret,
+                     q_lengths=None):
+  """The split-K kernel and the combine: (out [B, T, N, H], lse2 [B, T, N],
+  -inf for rows that see nothing and have no sink).
+
+  Positions are `masks.causal_offset`'s with the sequence's query length
+  (`q_lengths`, default T): with a bottom-right `mask`, token t sits at
+  position L - T + t, for the causal mask, windows and ALiBi.
+  """
+  batch, num_tokens, num_heads, _ = query.shape
+  num_kv_heads = key.shape[2]
+  group = num_heads // num_kv_heads
+  # Triton tiles: a power of two, at least 16 rows.
+  rows_padded = max(triton_decode.MIN_ROWS,
+                    1 << (num_tokens * group - 1).bit_length())
+  plan = triton_decode.plan_launch(
+      rows_padded, head_dim=query.shape[-1],
+      itemsize=jnp.dtype(query.dtype).itemsize,
+      device_kind=platform.device_kind(), preferred=DEFAULT_LAUNCH)
+  per_row = lambda x: None if x is None else _pack(
+      jnp.broadcast_to(x[:, None, :], (batch, num_tokens, num_heads)),
+      num_kv_heads, rows_padded)
+  # One split and no sink: the kernel's output is final (written in the
+  # query dtype) and the combine is skipped.
+  final = num_splits == 1 and sinks is None
+  q_packed, slopes_packed = _pack(query, num_kv_heads, rows_padded), per_row(
+      slopes)
+  # The packed rows in launches of plan.rows rows (one launch if it fits).
+  rows_of = lambda x, start: None if x is None else (
+      x if plan.rows == rows_padded else x[:, :, start:start + plan.rows])
+  parts = [
+      triton_decode.decode_call(
+          rows_of(q_packed, start), key, value, lengths,
+          rows_of(slopes_packed, start), block_table, q_lengths, mask=mask,
+          scale=scale, soft_cap=soft_cap, num_tokens=num_tokens, group=group,
+          num_splits=num_splits, block_k=plan.launch.block_k,
+          num_warps=plan.launch.num_warps,
+          num_stages=plan.launch.num_stages,
+          out_dtype=query.dtype if final else jnp.float32,
+          interpret=interpret, row_offset=start)
+      for start in range(0, rows_padded, plan.rows)]
+  if len(parts) == 1:
+    out_parts, lse2_parts = parts[0]
+  else:  # Rows are axis 3 of [P, B, K, M, ...].
+    out_parts, lse2_parts = (jnp.concatenate(x, axis=3)
+                             for x in zip(*parts))
+  if final:
+    out, lse2 = out_parts[0], lse2_parts[0]
+  else:
+    sink2 = per_row(None if sinks is None else sinks * numerics.LOG2_E)
+    out, lse2 = combine(out_parts, lse2_parts, sink2)
+  return (_unpack(out, num_tokens, num_heads).astype(query.dtype),
+          _unpack(lse2, num_tokens, num_heads))
+
 
 CAPABILITIES = registry.Capabilities(
     passes=frozenset({registry.FORWARD}),
     dtypes=("float32", "bfloat16", "float16"),
     max_head_dim=256,
-    mask_features=frozenset({"causal", "bottom_right", "window", "lengths"}),
+    mask_features=frozenset({"causal", "bottom_right", "window", "lengths",
+                             "paged"}),
     options=frozenset({"soft_cap", "sinks", "alibi", "return_lse"}),
     platforms=frozenset({"cuda"}),
     interpretable=True,
-    max_q_len=decode.MAX_NEW_TOKENS,
-    max_rows_per_kv_head=128,
-    default_min_kv_len=2048,
 )
+
+
+def check(spec: CallSpec, pass_: str) -> str | None:
+  """The kernel takes at most MAX_NEW_TOKENS query rows per sequence."""
+  del pass_
+  if spec.q_len > MAX_NEW_TOKENS:
+    return (f"decode takes at most {MAX_NEW_TOKENS} query rows per "
+            f"sequence; got q_len={spec.q_len}.")
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,21 +216,25 @@ class DecodeConfig:
 
 
 def configure(spec: CallSpec, options: dict[str, Any]) -> DecodeConfig:
-  return DecodeConfig(
-      num_splits=decode.default_num_splits(spec.batch, spec.num_kv_heads,
-                                           spec.kv_len),
-      interpret=bool(options.get("interpret", False)))
+  """The user's `num_splits` (decode_attention), else enough to fill the
+  GPU (`default_num_splits`)."""
+  num_splits = options.get("num_splits")
+  if num_splits is None:
+    num_splits = default_num_splits(spec.batch, spec.num_kv_heads,
+                                    spec.kv_len)
+  return DecodeConfig(num_splits=num_splits,
+                      interpret=bool(options.get("interpret", False)))
 
 
 def forward(spec: CallSpec, config: DecodeConfig, operands: Operands):
   """(out, lse2 [B, N, T], +inf for rows without keys), as every forward."""
   q_lengths, kv_lengths = operands.lengths()
-  out, lse2 = decode.kernel_attention(
-      operands.query, operands.key, operands.value, kv_lengths, None,
-      operands.sinks, operands.alibi_slopes, mask=spec.mask,
-      scale=spec.scale, soft_cap=spec.logits_soft_cap,
+  out, lse2 = kernel_attention(
+      operands.query, operands.key, operands.value, kv_lengths,
+      operands.block_table, operands.sinks, operands.alibi_slopes,
+      mask=spec.mask, scale=spec.scale, soft_cap=spec.logits_soft_cap,
       num_splits=config.num_splits, interpret=config.interpret,
-      positions_from_end=False, q_lengths=q_lengths)
+      q_lengths=q_lengths)
   if operands.q_lengths is not None:
     # Rows past q_len see nothing (flash_attention's lengths).
     valid = jnp.arange(out.shape[1])[None, :] < q_lengths[:, None]
@@ -76,8 +248,12 @@ def forward(spec: CallSpec, config: DecodeConfig, operands: Operands):
 BACKEND = registry.Backend(
     name="decode",
     capabilities=CAPABILITIES,
-    option_names=frozenset({"interpret"}),
+    option_names=frozenset({"interpret", "num_splits"}),
+    option_types={"num_splits": int},
     configure=configure,
     forward=forward,
     backward=None,
+    check=check,
+    limits=(f"at most {MAX_NEW_TOKENS} query rows per sequence; forward "
+            "only"),
 )
