@@ -28,6 +28,7 @@ import warnings
 import jax
 
 from jflash._src import platform
+from jflash._src.spec import BackendOptions
 from jflash._src.spec import CallSpec
 
 _PLATFORM_NAMES = {"cuda": "a CUDA GPU"}
@@ -141,14 +142,12 @@ class Backend:
   Attributes:
     name: what `implementation=` calls it.
     capabilities: what it supports.
-    option_names: the user options it takes (e.g. "block_sizes",
-      "interpret"); a call that sets another backend's option never runs
-      here.
-    option_types: for options that several backends take, the type of
-      value this one takes (its `block_sizes` class): a value of another
-      type belongs to another backend.
-    configure: (spec, options) -> its hashable configuration for the call;
-      may raise ValueError for bad option values.
+    configure: (spec, **options) -> its hashable configuration for the
+      call, e.g. a frozen dataclass (`TritonConfig.for_call`). It takes as
+      keywords the user options it takes (`takes`), each passed only when
+      set: `block_sizes` (an instance of `block_sizes_type`) and, where
+      its capabilities are `interpretable`, `interpret`. May raise
+      ValueError for bad option values.
     forward: (spec, config, operands) -> (out, lse2).
     backward: (spec, config, operands, out, lse2, dout, dlse2 or None) ->
       `spec.Operands` of cotangents (None for non-differentiable operands).
@@ -160,23 +159,34 @@ class Backend:
     direct: for a backend written in plain differentiable JAX, (spec,
       config, operands) -> out or (out, natural lse), used as is (JAX's
       autodiff, any order, forward mode too) when it runs both passes.
+    block_sizes_type: the class of the `block_sizes` it takes (its tiles),
+      or None: a call with tiles of another class never runs here.
   """
 
   name: str
   capabilities: Capabilities
-  option_names: frozenset[str]
-  configure: Callable[[CallSpec, dict[str, Any]], Any]
+  configure: Callable[..., Any]
   forward: Callable[..., Any] | None
   backward: Callable[..., Any] | None
   differentiable: bool = False
   direct: Callable[..., Any] | None = None
-  option_types: dict[str, type] = dataclasses.field(default_factory=dict)
+  block_sizes_type: type | None = None
 
-  def takes(self, options: dict[str, Any]) -> bool:
-    """Whether every option set is one of its own (name and type)."""
-    return all(name in self.option_names
-               and isinstance(value, self.option_types.get(name, object))
-               for name, value in options.items())
+  @property
+  def option_names(self) -> frozenset[str]:
+    """The backend keyword arguments of `flash_attention` it takes."""
+    return frozenset(
+        name for name, taken in (
+            ("block_sizes", self.block_sizes_type is not None),
+            ("interpret", self.capabilities.interpretable)) if taken)
+
+  def takes(self, options: BackendOptions) -> bool:
+    """Whether every option set is one of its own: tiles of its
+    `block_sizes_type`, `interpret` where it can be interpreted."""
+    tiles = options.block_sizes
+    return ((tiles is None or (self.block_sizes_type is not None
+                               and isinstance(tiles, self.block_sizes_type)))
+            and (not options.interpret or self.capabilities.interpretable))
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -293,13 +303,13 @@ class Plan:
 
 
 def plan(spec: CallSpec, implementation: str | None,
-         options: dict[str, Any]) -> Plan:
+         options: BackendOptions) -> Plan:
   """Chooses the backend of each pass.
 
   Args:
     spec: the call.
     implementation: a backend's name, or None to choose.
-    options: the user's backend options, only those set (not None/False).
+    options: the user's backend options.
 
   Raises:
     ValueError: for an unknown implementation, or options the named backend
@@ -307,14 +317,17 @@ def plan(spec: CallSpec, implementation: str | None,
     NotImplementedError: when no backend (or not the named one) can run a
       pass, with the reason in one sentence per candidate.
   """
+  # `unsupported_reason` reads the options set by name ("interpret").
+  given = options.given()
   if implementation is not None:
     if implementation not in _REGISTRY:
       raise ValueError(f"implementation must be one of {names()} or None; "
                        f"got {implementation!r}.")
     backend = _REGISTRY[implementation]
-    for option, value in options.items():
-      if not backend.takes({option: value}):
-        owners = [n for n in names() if get(n).takes({option: value})]
+    for option, value in given.items():
+      alone = BackendOptions(**{option: value})
+      if not backend.takes(alone):
+        owners = [n for n in names() if get(n).takes(alone)]
         raise ValueError(
             f"{option} ({type(value).__name__}) configures the "
             f"{'/'.join(owners) or 'no'} backend; it cannot be combined with "
@@ -326,7 +339,7 @@ def plan(spec: CallSpec, implementation: str | None,
   backward_error = None
   for pass_ in PASSES:
     if implementation is not None:
-      reason = unsupported_reason(candidates[0], spec, pass_, options)
+      reason = unsupported_reason(candidates[0], spec, pass_, given)
       error = reason and (
           f"jflash.flash_attention: implementation={implementation!r} "
           f"cannot run the {pass_} pass of this call: {reason}")
@@ -342,11 +355,11 @@ def plan(spec: CallSpec, implementation: str | None,
       continue
     chosen[pass_], reasons = _first_supporting(
         [b for b in candidates if _is_default_here(b, spec)], spec, pass_,
-        options)
+        given)
     if chosen[pass_] is None:
       chosen[pass_], more = _first_supporting(
           [b for b in candidates if _is_fallback_here(b)], spec, pass_,
-          options)
+          given)
       if chosen[pass_] is None:
         raise NotImplementedError(
             f"jflash.flash_attention: no implementation can run the {pass_} "
@@ -358,9 +371,8 @@ def plan(spec: CallSpec, implementation: str | None,
   configs = {None: None}
   for backend in chosen.values():
     if backend is not None:
-      configs[backend.name] = backend.configure(
-          spec, {k: v for k, v in options.items()
-                 if k in backend.option_names})
+      # Every option set is the backend's own (`takes`).
+      configs[backend.name] = backend.configure(spec, **given)
   backward = chosen[BACKWARD] and chosen[BACKWARD].name
   return Plan(forward=chosen[FORWARD].name,
               forward_config=configs[chosen[FORWARD].name],

@@ -309,8 +309,7 @@ BACKEND = registry.Backend(
         # backend runs (with a warning), or when named.
         fallback_on=frozenset({"cuda"}),
     ),
-    option_names=frozenset(),
-    configure=lambda spec, options: None,
+    configure=lambda spec: None,
     forward=forward,
     backward=backward,
     differentiable=True,

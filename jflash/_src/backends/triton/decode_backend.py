@@ -16,7 +16,6 @@ keys, and all within launch noise below 2048 keys.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax.numpy as jnp
 
@@ -47,11 +46,11 @@ class DecodeConfig:
   interpret: bool = False
 
 
-def configure(spec: CallSpec, options: dict[str, Any]) -> DecodeConfig:
+def configure(spec: CallSpec, *, interpret: bool = False) -> DecodeConfig:
   return DecodeConfig(
       num_splits=decode.default_num_splits(spec.batch, spec.num_kv_heads,
                                            spec.kv_len),
-      interpret=bool(options.get("interpret", False)))
+      interpret=interpret)
 
 
 def forward(spec: CallSpec, config: DecodeConfig, operands: Operands):
@@ -76,7 +75,6 @@ def forward(spec: CallSpec, config: DecodeConfig, operands: Operands):
 BACKEND = registry.Backend(
     name="decode",
     capabilities=CAPABILITIES,
-    option_names=frozenset({"interpret"}),
     configure=configure,
     forward=forward,
     backward=None,
