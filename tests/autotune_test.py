@@ -128,7 +128,7 @@ class AutotuneTest(absltest.TestCase):
                                 "jflash.autotune: mosaic needs"):
       jflash.autotune(q, q, q, implementation="mosaic", path=self.path)
     with self.assertRaisesRegex(ValueError, "implementation must be one of "
-                                "\\('triton', 'mosaic'\\); got 'xla'"):
+                                "\\('mosaic', 'triton'\\); got 'xla'"):
       jflash.autotune(q, q, q, implementation="xla", path=self.path)
 
   def test_cache_can_be_disabled(self):
@@ -141,6 +141,24 @@ class AutotuneTest(absltest.TestCase):
     with mock.patch.dict(os.environ, {cache.CACHE_ENV_VAR: "off"}):
       self.assertIsNone(cache.cache_path())
       self.assertIsNone(cache.tuned(spec, "triton", jflash.BlockSizes))
+
+  def test_backends_with_tiles_declare_their_search(self):
+    # The search runs on every backend that declares a tuning space, for
+    # the tiles that backend takes; each candidate sets its named fields.
+    spaces = {name: registry.get(name).tuning for name in registry.names()
+              if registry.get(name).tuning is not None}
+    self.assertEqual(sorted(spaces), ["mosaic", "triton"])
+    for name, space in spaces.items():
+      with self.subTest(name):
+        self.assertIs(space.block_sizes_type,
+                      registry.get(name).block_sizes_type)
+        fields = {f.name for f in dataclasses.fields(space.block_sizes_type)}
+        for names, candidates in (
+            (space.forward_fields, space.forward_candidates),
+            (space.backward_fields, space.backward_candidates)):
+          self.assertLessEqual(set(names), fields)
+          for candidate in candidates:
+            self.assertLen(candidate, len(names))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import jax
 from jflash._src import platform
 from jflash._src.spec import BackendOptions
 from jflash._src.spec import CallSpec
+from jflash._src.tuning.space import TuningSpace
 
 _PLATFORM_NAMES = {"cuda": "a CUDA GPU"}
 
@@ -161,6 +162,7 @@ class Backend:
       autodiff, any order, forward mode too) when it runs both passes.
     block_sizes_type: the class of the `block_sizes` it takes (its tiles),
       or None: a call with tiles of another class never runs here.
+    tuning: what `jflash.autotune` searches for it, or None (no search).
   """
 
   name: str
@@ -171,6 +173,7 @@ class Backend:
   differentiable: bool = False
   direct: Callable[..., Any] | None = None
   block_sizes_type: type | None = None
+  tuning: TuningSpace | None = None
 
   @property
   def option_names(self) -> frozenset[str]:

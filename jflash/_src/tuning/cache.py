@@ -1,8 +1,8 @@
 """The tuning cache: tuned configurations per device kind and shape, on disk.
 
-`jflash.autotune` writes entries; a backend's configuration reads them
-(`tuned`; backends import this module, never the search in autotune.py,
-which itself calls the public function).
+`jflash.autotune` (jflash/_src/autotune.py, above the public function)
+writes entries; a backend's configuration reads them (`tuned`). This module
+sits below the backends: it imports none of them, nor anything above them.
 
 Cache file: `$JFLASH_AUTOTUNE_CACHE` if set (the value "off" disables the
 cache), else `~/.cache/jflash/autotune.json`.

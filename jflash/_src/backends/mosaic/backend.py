@@ -6,7 +6,8 @@ H200) `implementation=None` chooses it first for every pass it supports
 backend serves the rest. Its kernels need Hopper instructions (wgmma, TMA,
 setmaxnreg): no interpreter runs them, so CPU tests lower them for CUDA
 (tests/mosaic_lowering_test.py) and the GPU suite runs them. Its tiles
-(config.py): the user's, else the autotuned ones, else by head dim.
+(config.py): the user's, else the autotuned ones, else by head dim; what
+`jflash.autotune` searches: tuning.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jflash._src import modifiers
 from jflash._src import registry
 from jflash._src.backends.mosaic import backward as backward_kernels
 from jflash._src.backends.mosaic import forward as forward_kernels
+from jflash._src.backends.mosaic import tuning
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.mosaic.config import MosaicConfig
 from jflash._src.spec import CallSpec
@@ -71,4 +73,5 @@ BACKEND = registry.Backend(
     configure=MosaicConfig.for_call,
     forward=forward,
     backward=backward,
+    tuning=tuning.SPACE,
 )

@@ -5,7 +5,8 @@ The forward pass launches `forward.forward_call`; the backward pass
 bias), recomputing probabilities from the forward's base-2 lse. The binding
 folds `vmap` into the batch axis before either runs (Triton grids have no
 room for a `vmap` axis). Its configuration (config.py): tiles from the
-user, else from the autotune cache, else from the heuristic.
+user, else from the autotune cache, else from the heuristic; what
+`jflash.autotune` searches: tuning.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from jflash._src import modifiers
 from jflash._src import registry
 from jflash._src.backends.triton import backward as backward_kernels
 from jflash._src.backends.triton import forward as forward_kernels
+from jflash._src.backends.triton import tuning
 from jflash._src.backends.triton.block_sizes import BlockSizes
 from jflash._src.backends.triton.config import TritonConfig
 from jflash._src.spec import CallSpec
@@ -81,4 +83,5 @@ BACKEND = registry.Backend(
     configure=TritonConfig.for_call,
     forward=forward,
     backward=backward,
+    tuning=tuning.SPACE,
 )
