@@ -129,10 +129,10 @@ def _mosaic_texts():
                     scale=head_dim ** -0.5, mask=mask,
                     logits_soft_cap=soft_cap,
                     modifiers=ModifierSpec(has_sinks=sinks))
-    config = mosaic.configure(spec, {})
+    config = mosaic.BACKEND.configure(spec)
     if atomic_dq:
-      config = mosaic.configure(spec, {"block_sizes": dataclasses.replace(
-          config.block_sizes, atomic_dq=True)})
+      config = mosaic.BACKEND.configure(spec, block_sizes=dataclasses.replace(
+          config.block_sizes, atomic_dq=True))
     q = jnp.ones((batch, q_len, heads, head_dim), jnp.bfloat16)
     k = jnp.ones((batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
     lengths = jnp.array([500, 7], jnp.int32)

@@ -15,7 +15,7 @@ from jflash._src.ring import load_balance
 from jflash._src.ring import load_unbalance
 from jflash._src.ring import ring_attention
 from jflash._src.ring import ring_attention_local
-from jflash._src.tuning.autotune import autotune
+from jflash._src.autotune import autotune
 
 _deprecation.silence_triton_deprecation()
 

@@ -13,9 +13,8 @@ import jflash
 from jflash._src import api
 from jflash._src import platform
 from jflash._src import registry
-from jflash._src.backends.mosaic import backend as mosaic_backend
 from jflash._src.backends.mosaic import config as mosaic_config
-from jflash._src.backends.triton import backend as triton_backend
+from jflash._src.backends.mosaic.config import MosaicConfig
 from jflash._src.tuning import cache
 from tests import test_util
 
@@ -97,10 +96,10 @@ class AutotuneTest(absltest.TestCase):
     with mock.patch.dict(os.environ, {cache.CACHE_ENV_VAR: self.path}), \
         mock.patch.object(platform, "device_kind",
                           return_value=shape["device_kind"]):
-      self.assertEqual(mosaic_backend.configure(spec, {}).block_sizes, tuned)
+      self.assertEqual(MosaicConfig.for_call(spec).block_sizes, tuned)
       other = api.describe(q[:, :128], q[:, :128], q[:, :128],
                            is_causal=True).spec
-      self.assertEqual(mosaic_backend.configure(other, {}).block_sizes,
+      self.assertEqual(MosaicConfig.for_call(other).block_sizes,
                        mosaic_config.default_block_sizes(128))
 
   def test_mosaic_search_on_hopper(self):
@@ -129,15 +128,37 @@ class AutotuneTest(absltest.TestCase):
                                 "jflash.autotune: mosaic needs"):
       jflash.autotune(q, q, q, implementation="mosaic", path=self.path)
     with self.assertRaisesRegex(ValueError, "implementation must be one of "
-                                "\\('triton', 'mosaic'\\); got 'xla'"):
+                                "\\('mosaic', 'triton'\\); got 'xla'"):
       jflash.autotune(q, q, q, implementation="xla", path=self.path)
 
   def test_cache_can_be_disabled(self):
+    spec = api.describe(*self.inputs, is_causal=True).spec
+    cache.store(self.path, cache.call_key(spec, "triton"),
+                {"block_sizes": dataclasses.asdict(jflash.BlockSizes())})
+    with mock.patch.dict(os.environ, {cache.CACHE_ENV_VAR: self.path}):
+      self.assertEqual(cache.tuned(spec, "triton", jflash.BlockSizes),
+                       jflash.BlockSizes())
     with mock.patch.dict(os.environ, {cache.CACHE_ENV_VAR: "off"}):
       self.assertIsNone(cache.cache_path())
-      self.assertIsNone(triton_backend.tuned_block_sizes(
-          q_len=40, kv_len=40, num_heads=2, num_kv_heads=1, head_dim=32,
-          dtype=jnp.float32, is_causal=True, device_kind="cpu"))
+      self.assertIsNone(cache.tuned(spec, "triton", jflash.BlockSizes))
+
+  def test_backends_with_tiles_declare_their_search(self):
+    # The search runs on every backend that declares a tuning space, for
+    # the tiles that backend takes; each candidate sets its named fields.
+    spaces = {name: registry.get(name).tuning for name in registry.names()
+              if registry.get(name).tuning is not None}
+    self.assertEqual(sorted(spaces), ["mosaic", "triton"])
+    for name, space in spaces.items():
+      with self.subTest(name):
+        self.assertIs(space.block_sizes_type,
+                      registry.get(name).block_sizes_type)
+        fields = {f.name for f in dataclasses.fields(space.block_sizes_type)}
+        for names, candidates in (
+            (space.forward_fields, space.forward_candidates),
+            (space.backward_fields, space.backward_candidates)):
+          self.assertLessEqual(set(names), fields)
+          for candidate in candidates:
+            self.assertLen(candidate, len(names))
 
 
 if __name__ == "__main__":

@@ -72,8 +72,7 @@ class MosaicLoweringTest(parameterized.TestCase):
                                        **mask_options}),
                     logits_soft_cap=soft_cap,
                     modifiers=ModifierSpec(has_sinks=name.endswith("sinks")))
-    config = mosaic_backend.configure(
-        spec, {} if block_sizes is None else {"block_sizes": block_sizes})
+    config = mosaic_backend.BACKEND.configure(spec, block_sizes=block_sizes)
     q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), dtype)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)

@@ -383,7 +383,7 @@ def _kernel_launches(case: Case, sizes: MosaicBlockSizes):
   arguments of the host code's `pipeline.segment_inputs` calls, in the
   same order (none without segments))."""
   spec, operands = case.spec, case.operands
-  config = mosaic_backend.configure(spec, {"block_sizes": sizes})
+  config = mosaic_backend.BACKEND.configure(spec, block_sizes=sizes)
   # The backward's out and dout are shaped as q, its lse2 [B, N, T].
   q = operands.query
   lse2 = jax.ShapeDtypeStruct((spec.batch, spec.num_heads, spec.q_len),
@@ -1055,8 +1055,8 @@ def run_model(test, case: Case, q, k, v, dout, sinks,
 
 def _run_model(test, case: Case, q, k, v, dout, sinks, reads_past_tables):
   """run_model's work, under its patch."""
-  sizes = case.block_sizes or mosaic_backend.configure(
-      case.spec, {}).block_sizes
+  sizes = case.block_sizes or mosaic_backend.BACKEND.configure(
+      case.spec).block_sizes
   launches, segment_calls = _kernel_launches(case, sizes)
   forward_launch, dq_launch, dkv_launch = launches
   for launch in launches:

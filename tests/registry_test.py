@@ -14,8 +14,9 @@ from jflash._src import api
 from jflash._src import binding
 from jflash._src import platform
 from jflash._src import registry
-from jflash._src.backends.mosaic import backend as mosaic_backend
+from jflash._src.backends.mosaic.config import MosaicConfig
 from jflash._src.backends.triton import backend as triton_backend
+from jflash._src.spec import BackendOptions
 from tests import test_util
 
 KERNELS = dict(interpret=test_util.INTERPRET,
@@ -91,7 +92,8 @@ class RegistryTest(absltest.TestCase):
         with mock.patch.object(registry, "current_platform",
                                return_value="cuda"):  # cuDNN needs a GPU.
           reason = registry.unsupported_reason(
-              registry.get(name), call.spec, "forward", call.options)
+              registry.get(name), call.spec, "forward",
+              call.options.given())
         self.assertStartsWith(reason, expected)
         self.assertEqual(reason.count(". "), 0, msg=reason)
 
@@ -130,7 +132,7 @@ class RegistryTest(absltest.TestCase):
         self.assertEqual((plan.forward, plan.backward), (expected,) * 2)
       self.assertEqual(registry.plan(
           api.describe(q, q, q, block_sizes=mosaic_tiles).spec, "mosaic",
-          {"block_sizes": mosaic_tiles}).forward_config.block_sizes,
+          BackendOptions(block_sizes=mosaic_tiles)).forward_config.block_sizes,
                        mosaic_tiles)
       for tiles, named, owner in (
           (test_util.SMALL_BLOCKS, "mosaic", "triton"),
@@ -171,7 +173,7 @@ class RegistryTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "need 426496 bytes of shared "
                                 "memory in the forward pass at "
                                 "head_dim=128"):
-      mosaic_backend.configure(call.spec, {"block_sizes": too_big})
+      MosaicConfig.for_call(call.spec, block_sizes=too_big)
     for bad in (dict(block_q=32), dict(block_kv_dq=100),
                 dict(num_stages=1), dict(backward_stages=1.5)):
       with self.subTest(**bad), self.assertRaisesRegex(ValueError, "must"):
@@ -251,7 +253,8 @@ class RegistryTest(absltest.TestCase):
                    query_seq_lengths=jnp.array([40, 17]),
                    return_residual=True)
     call = api.describe(q, k, v, **options, **KERNELS)
-    triton_config = triton_backend.configure(call.spec, call.options)
+    triton_config = triton_backend.BACKEND.configure(
+        call.spec, **call.options.given())
     dlse = jax.random.normal(jax.random.key(152), q.shape[:3])
 
     def results(plan):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Literal
+from typing import Literal
 import warnings
 
 import jax
@@ -19,6 +19,7 @@ from jflash._src import registry
 from jflash._src import validation
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.triton.block_sizes import BlockSizes
+from jflash._src.spec import BackendOptions
 from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
 from jflash._src.spec import describe_call
@@ -282,7 +283,7 @@ class DescribedCall:
 
   spec: CallSpec
   operands: Operands
-  options: dict[str, Any]
+  options: BackendOptions
   unbatched: bool
 
 
@@ -356,11 +357,9 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
       operands, scale=scale, is_causal=is_causal, bottom_right=bottom_right,
       window=window, logits_soft_cap=logits_soft_cap,
       dropout_rate=dropout_rate, return_lse=return_residual)
-  # Backend options the user set; they restrict the choice to backends
-  # that take them (registry.plan).
-  options = {name: value for name, value in (("block_sizes", block_sizes),
-                                             ("interpret", interpret))
-             if value is not None and value is not False}
+  # Backend options; those set restrict the choice to backends that take
+  # them (registry.plan).
+  options = BackendOptions(block_sizes=block_sizes, interpret=interpret)
   return DescribedCall(spec=spec, operands=operands, options=options,
                        unbatched=unbatched)
 
@@ -378,7 +377,7 @@ def unsupported_reason(query, key, value, bias=None, mask=None, *,
   backend = registry.get(implementation)
   for pass_ in registry.PASSES:
     reason = registry.unsupported_reason(backend, call.spec, pass_,
-                                         call.options)
+                                         call.options.given())
     if reason is not None:
       return reason
   return None

@@ -8,6 +8,7 @@ GPU or with interpret=True, "xla" elsewhere).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax.numpy as jnp
@@ -145,7 +146,8 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
       return_residual=return_residual, sinks=sinks,
       alibi_slopes=alibi_slopes, block_table=block_table)
   if num_splits is not None and _runs_decode(implementation, call):
-    call.options["num_splits"] = num_splits
+    call = dataclasses.replace(call, options=dataclasses.replace(
+        call.options, num_splits=num_splits))
   lse_dtype = validation.check_residual_dtype(
       residual_dtype, query.dtype, return_residual)
   return api.run(call, implementation, lse_dtype)
@@ -158,6 +160,6 @@ def _runs_decode(implementation: str | None, call: api.DescribedCall
   if implementation is not None:
     return implementation == "decode"
   backend = registry.get("decode")
-  return registry.unavailable_reason(
-      backend, bool(call.options.get("interpret", False))) is None
+  return registry.unavailable_reason(backend,
+                                    call.options.interpret) is None
 

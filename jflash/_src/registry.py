@@ -28,7 +28,9 @@ import warnings
 import jax
 
 from jflash._src import platform
+from jflash._src.spec import BackendOptions
 from jflash._src.spec import CallSpec
+from jflash._src.tuning.space import TuningSpace
 
 _PLATFORM_NAMES = {"cuda": "a CUDA GPU"}
 
@@ -102,14 +104,12 @@ class Backend:
   Attributes:
     name: what `implementation=` calls it.
     capabilities: what it supports.
-    option_names: the user options it takes (e.g. "block_sizes",
-      "interpret"); a call that sets another backend's option never runs
-      here.
-    option_types: for options that several backends take, the type of
-      value this one takes (its `block_sizes` class): a value of another
-      type belongs to another backend.
-    configure: (spec, options) -> its hashable configuration for the call;
-      may raise ValueError for bad option values.
+    configure: (spec, **options) -> its hashable configuration for the
+      call, e.g. a frozen dataclass (`TritonConfig.for_call`). It takes as
+      keywords the user options it takes (`takes`), each passed only when
+      set: `block_sizes` (an instance of `block_sizes_type`) and, where
+      its capabilities are `interpretable`, `interpret`. May raise
+      ValueError for bad option values.
     forward: (spec, config, operands) -> (out, lse2).
     backward: (spec, config, operands, out, lse2, dout, dlse2 or None) ->
       `spec.Operands` of cotangents (None for non-differentiable operands).
@@ -128,27 +128,47 @@ class Backend:
       platforms (a GPU generation, a library), or None.
     role: platform -> DEFAULT, FALLBACK or NAMED_ONLY: how
       `implementation=None` may choose it there.
+    block_sizes_type: the class of the `block_sizes` it takes (its tiles),
+      or None: a call with tiles of another class never runs here.
+    keywords: the other `spec.BackendOptions` it takes (decode's
+      `num_splits`); a call that sets one runs only on a backend taking it.
+    tuning: what `jflash.autotune` searches for it, or None (no search).
   """
 
   name: str
   capabilities: Capabilities
-  option_names: frozenset[str]
-  configure: Callable[[CallSpec, dict[str, Any]], Any]
+  configure: Callable[..., Any]
   forward: Callable[..., Any] | None
   backward: Callable[..., Any] | None
   differentiable: bool = False
   direct: Callable[..., Any] | None = None
-  option_types: dict[str, type] = dataclasses.field(default_factory=dict)
   check: Callable[[CallSpec, str], str | None] | None = None
   limits: str = ""
   unavailable: Callable[[], str | None] | None = None
   role: Callable[[str], str] = _always_default
+  block_sizes_type: type | None = None
+  tuning: TuningSpace | None = None
+  keywords: frozenset[str] = frozenset()
 
-  def takes(self, options: dict[str, Any]) -> bool:
-    """Whether every option set is one of its own (name and type)."""
-    return all(name in self.option_names
-               and isinstance(value, self.option_types.get(name, object))
-               for name, value in options.items())
+  @property
+  def option_names(self) -> frozenset[str]:
+    """The backend keyword arguments of `flash_attention` it takes."""
+    return frozenset(
+        name for name, taken in (
+            ("block_sizes", self.block_sizes_type is not None),
+            ("interpret", self.capabilities.interpretable)) if taken
+    ) | self.keywords
+
+  def takes(self, options: BackendOptions) -> bool:
+    """Whether every option set is one of its own: tiles of its
+    `block_sizes_type`, `interpret` where it can be interpreted, the
+    others among its `keywords`."""
+    tiles = options.block_sizes
+    others = set(options.given()) - {"block_sizes", "interpret"}
+    return ((tiles is None or (self.block_sizes_type is not None
+                               and isinstance(tiles, self.block_sizes_type)))
+            and (not options.interpret or self.capabilities.interpretable)
+            and others <= self.keywords)
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -258,13 +278,13 @@ class Plan:
 
 
 def plan(spec: CallSpec, implementation: str | None,
-         options: dict[str, Any]) -> Plan:
+         options: BackendOptions) -> Plan:
   """Chooses the backend of each pass.
 
   Args:
     spec: the call.
     implementation: a backend's name, or None to choose.
-    options: the user's backend options, only those set (not None/False).
+    options: the user's backend options.
 
   Raises:
     ValueError: for an unknown implementation, or options the named backend
@@ -272,14 +292,17 @@ def plan(spec: CallSpec, implementation: str | None,
     NotImplementedError: when no backend (or not the named one) can run a
       pass, with the reason in one sentence per candidate.
   """
+  # `unsupported_reason` reads the options set by name ("interpret").
+  given = options.given()
   if implementation is not None:
     if implementation not in _REGISTRY:
       raise ValueError(f"implementation must be one of {names()} or None; "
                        f"got {implementation!r}.")
     backend = _REGISTRY[implementation]
-    for option, value in options.items():
-      if not backend.takes({option: value}):
-        owners = [n for n in names() if get(n).takes({option: value})]
+    for option, value in given.items():
+      alone = BackendOptions(**{option: value})
+      if not backend.takes(alone):
+        owners = [n for n in names() if get(n).takes(alone)]
         raise ValueError(
             f"{option} ({type(value).__name__}) configures the "
             f"{'/'.join(owners) or 'no'} backend; it cannot be combined with "
@@ -291,7 +314,7 @@ def plan(spec: CallSpec, implementation: str | None,
   backward_error = None
   for pass_ in PASSES:
     if implementation is not None:
-      reason = unsupported_reason(candidates[0], spec, pass_, options)
+      reason = unsupported_reason(candidates[0], spec, pass_, given)
       error = reason and (
           f"jflash.flash_attention: implementation={implementation!r} "
           f"cannot run the {pass_} pass of this call: {reason}")
@@ -307,11 +330,11 @@ def plan(spec: CallSpec, implementation: str | None,
       continue
     chosen[pass_], reasons = _first_supporting(
         [b for b in candidates if _is_default_here(b)], spec, pass_,
-        options)
+        given)
     if chosen[pass_] is None:
       chosen[pass_], more = _first_supporting(
           [b for b in candidates if _is_fallback_here(b)], spec, pass_,
-          options)
+          given)
       if chosen[pass_] is None:
         error = (f"jflash.flash_attention: no implementation can run the "
                  f"{pass_} pass of this call: {' '.join(reasons + more)}")
@@ -327,9 +350,8 @@ def plan(spec: CallSpec, implementation: str | None,
   configs = {None: None}
   for backend in chosen.values():
     if backend is not None:
-      configs[backend.name] = backend.configure(
-          spec, {k: v for k, v in options.items()
-                 if k in backend.option_names})
+      # Every option set is the backend's own (`takes`).
+      configs[backend.name] = backend.configure(spec, **given)
   backward = chosen[BACKWARD] and chosen[BACKWARD].name
   return Plan(forward=chosen[FORWARD].name,
               forward_config=configs[chosen[FORWARD].name],

@@ -11,8 +11,9 @@ Every backend receives a call as two objects:
 
 Which optional operands are present is derived once, from the operands, by
 `describe_call`; nothing else sets the presence flags. Tiles, `interpret`
-and other launch choices belong to a backend's own configuration (the
-registry), not to the call.
+and other launch choices are not part of the call: the user's spellings of
+them travel beside it as `BackendOptions`, which the registry hands to the
+backend they belong to, whose configuration they become.
 
 This module imports no Pallas backend.
 """
@@ -20,6 +21,7 @@ This module imports no Pallas backend.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -225,3 +227,32 @@ def describe_call(operands: Operands, *, scale: float, is_causal: bool,
       mask=mask, logits_soft_cap=logits_soft_cap,
       has_bias=operands.bias is not None, modifiers=modifiers,
       return_lse=bool(return_lse))
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+  """The backend options of a call, as the user spelled them.
+
+  They belong to backends by type (`registry.Backend.takes`): a call that
+  sets one runs only on a backend that takes it, whose `configure` receives
+  it as a keyword argument.
+
+  Attributes:
+    block_sizes: a backend's tiles, or None; its class says whose (a
+      `jflash.BlockSizes` is Triton's, a `jflash.MosaicBlockSizes`
+      Mosaic's: `registry.Backend.block_sizes_type`).
+    interpret: run the kernels through the Pallas interpreter (backends
+      whose capabilities say `interpretable`).
+    num_splits: key splits per (sequence, kv head) of the split-K decode
+      kernel (`decode_attention`'s option; the "decode" backend's).
+  """
+
+  block_sizes: Any = None
+  interpret: bool = False
+  num_splits: int | None = None
+
+  def given(self) -> dict[str, Any]:
+    """The options set (not None or False), by their keyword names."""
+    return {field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) is not field.default}

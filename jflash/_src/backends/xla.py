@@ -339,8 +339,7 @@ BACKEND = registry.Backend(
         if spec.mask.paged and pass_ == registry.BACKWARD else None),
     limits=("stores the [q_len, kv_len] scores (memory quadratic); paged "
             "caches in the forward pass only"),
-    option_names=frozenset(),
-    configure=lambda spec, options: None,
+    configure=lambda spec: None,
     forward=forward,
     backward=backward,
     differentiable=True,

@@ -1,8 +1,8 @@
 """The tuning cache: tuned configurations per device kind and shape, on disk.
 
-`jflash.autotune` writes entries; a backend's configuration step reads them
-(backends import this module, never the search in autotune.py, which itself
-calls the public function).
+`jflash.autotune` (jflash/_src/autotune.py, above the public function)
+writes entries; a backend's configuration reads them (`tuned`). This module
+sits below the backends: it imports none of them, nor anything above them.
 
 Cache file: `$JFLASH_AUTOTUNE_CACHE` if set (the value "off" disables the
 cache), else `~/.cache/jflash/autotune.json`.
@@ -15,6 +15,9 @@ import os
 from typing import Any
 
 import jax.numpy as jnp
+
+from jflash._src import platform
+from jflash._src.spec import CallSpec
 
 CACHE_ENV_VAR = "JFLASH_AUTOTUNE_CACHE"
 _DEFAULT_CACHE = os.path.join("~", ".cache", "jflash", "autotune.json")
@@ -39,6 +42,15 @@ def shape_key(*, q_len: int, kv_len: int, num_heads: int, num_kv_heads: int,
   return key if backend == "triton" else f"{backend}|{key}"
 
 
+def call_key(spec: CallSpec, backend: str) -> str:
+  """The cache key of a call's shape on this device, for `backend`'s tiles."""
+  return shape_key(q_len=spec.q_len, kv_len=spec.kv_len,
+                   num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                   head_dim=spec.head_dim, dtype=spec.dtype,
+                   is_causal=spec.mask.is_causal,
+                   device_kind=platform.device_kind(), backend=backend)
+
+
 _read_memo: dict[str, tuple[float, dict[str, Any]]] = {}
 
 
@@ -55,13 +67,19 @@ def _read(path: str | None) -> dict[str, Any]:
   return memo[1]
 
 
-def lookup(path: str | None = None, **shape: Any) -> dict[str, Any] | None:
-  """The cached entry for a shape (arguments as `shape_key`), if any.
+def tuned(spec: CallSpec, backend: str, block_sizes_type: type,
+          path: str | None = None) -> Any:
+  """`backend`'s tuned tiles for the call on this device, or None.
 
-  `path`: the cache file; default `cache_path()`.
+  Args:
+    spec: the call.
+    backend: whose tiles (a registry name).
+    block_sizes_type: the class of its tiles; an entry holds its fields.
+    path: the cache file; default `cache_path()`.
   """
   path = cache_path() if path is None else path
-  return _read(path).get(shape_key(**shape))
+  entry = _read(path).get(call_key(spec, backend))
+  return None if entry is None else block_sizes_type(**entry["block_sizes"])
 
 
 def store(path: str, key: str, entry: dict[str, Any]) -> None:

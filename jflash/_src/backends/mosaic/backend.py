@@ -5,26 +5,24 @@ H200) `implementation=None` chooses it first for every pass it supports
 (forward.py, backward.py; the registry chooses per pass), and the Triton
 backend serves the rest. Its kernels need Hopper instructions (wgmma, TMA,
 setmaxnreg): no interpreter runs them, so CPU tests lower them for CUDA
-(tests/mosaic_lowering_test.py) and the GPU suite runs them.
+(tests/mosaic_lowering_test.py) and the GPU suite runs them. Its tiles
+(config.py): the user's, else the autotuned ones, else by head dim; what
+`jflash.autotune` searches: tuning.py.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax.numpy as jnp
 
 from jflash._src import modifiers
-from jflash._src import platform
 from jflash._src import registry
 from jflash._src.backends.mosaic import backward as backward_kernels
 from jflash._src.backends.mosaic import forward as forward_kernels
+from jflash._src.backends.mosaic import tuning
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.mosaic.config import MosaicConfig
-from jflash._src.backends.mosaic.config import default_block_sizes
 from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
-from jflash._src.tuning import cache
 
 CAPABILITIES = registry.Capabilities(
     passes=frozenset(registry.PASSES),
@@ -61,28 +59,6 @@ def check(spec: CallSpec, pass_: str) -> str | None:
   return None
 
 
-def configure(spec: CallSpec, options: dict[str, Any]) -> MosaicConfig:
-  """The call's tiles: the user's `block_sizes`, else the autotuned ones
-  for this device and shape (tuning/cache.py), else by head dim.
-
-  Raises:
-    ValueError: if the user's tiles exceed Hopper's shared memory.
-  """
-  itemsize = 2  # bfloat16 and float16.
-  block_sizes = options.get("block_sizes")
-  if block_sizes is None:
-    entry = cache.lookup(
-        q_len=spec.q_len, kv_len=spec.kv_len, num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-        dtype=spec.dtype, is_causal=spec.mask.is_causal,
-        device_kind=platform.device_kind(), backend="mosaic")
-    block_sizes = (default_block_sizes(spec.head_dim, itemsize)
-                   if entry is None
-                   else MosaicBlockSizes(**entry["block_sizes"]))
-  block_sizes.check_fits(spec.head_dim, itemsize)
-  return MosaicConfig(block_sizes=block_sizes)
-
-
 def forward(spec: CallSpec, config: MosaicConfig, operands: Operands):
   """(out, lse2): the warp-specialized forward kernel."""
   return forward_kernels.forward_call(operands, spec=spec,
@@ -115,9 +91,8 @@ def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,
 BACKEND = registry.Backend(
     name="mosaic",
     capabilities=CAPABILITIES,
-    option_names=frozenset({"block_sizes"}),
-    option_types={"block_sizes": MosaicBlockSizes},
-    configure=configure,
+    block_sizes_type=MosaicBlockSizes,
+    configure=MosaicConfig.for_call,
     forward=forward,
     backward=backward,
     check=check,
@@ -125,4 +100,5 @@ BACKEND = registry.Backend(
             f"capability {COMPUTE_CAPABILITY} (Hopper); bottom_right only "
             "when causal"),
     unavailable=unavailable,
+    tuning=tuning.SPACE,
 )

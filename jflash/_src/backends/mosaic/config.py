@@ -1,11 +1,18 @@
-"""The Mosaic GPU backend's configuration: tiles and pipeline depths."""
+"""The Mosaic GPU backend's configuration: tiles and pipeline depths, and
+how they are chosen (the user's, else the autotuned ones, else by head
+dim)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from jflash._src.spec import CallSpec
+from jflash._src.tuning import cache
+
 # Hopper's shared memory per block (227 KiB) less room for barriers.
 SMEM_BUDGET_BYTES = 227 * 1024 - 2048
+# Bytes per q/k/v element: the kernels take bfloat16 and float16 only.
+ITEMSIZE = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +149,16 @@ def backward_warpgroup_split(head_dim: int) -> tuple[int, int]:
   return BWD_COMPUTE_WARPGROUPS // chunks, chunks
 
 
+def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
+  """The tiles by head dim for the call (`default_block_sizes`)."""
+  return default_block_sizes(spec.head_dim, ITEMSIZE)
+
+
+def check_fits(tiles: MosaicBlockSizes, spec: CallSpec) -> None:
+  """`tiles.check_fits` at the call's head dim."""
+  tiles.check_fits(spec.head_dim, ITEMSIZE)
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
   """How the Mosaic GPU kernels run one call (hashable).
@@ -151,3 +168,20 @@ class MosaicConfig:
   """
 
   block_sizes: MosaicBlockSizes
+
+  @classmethod
+  def for_call(cls, spec: CallSpec, *,
+               block_sizes: MosaicBlockSizes | None = None) -> MosaicConfig:
+    """The call's configuration (the backend's `configure`): the user's
+    `block_sizes`, else the tiles `jflash.autotune` cached for this device
+    and shape, else `default_tiles`.
+
+    Raises:
+      ValueError: if the tiles exceed Hopper's shared memory.
+      NotImplementedError: for atomic_dq at a head dim over 128.
+    """
+    if block_sizes is None:
+      block_sizes = (cache.tuned(spec, "mosaic", MosaicBlockSizes)
+                     or default_tiles(spec))
+    check_fits(block_sizes, spec)
+    return cls(block_sizes=block_sizes)

@@ -15,7 +15,6 @@ default route of the training kernels on decode batches of 512-32768 keys
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax.numpy as jnp
 
@@ -215,15 +214,14 @@ class DecodeConfig:
   interpret: bool = False
 
 
-def configure(spec: CallSpec, options: dict[str, Any]) -> DecodeConfig:
+def configure(spec: CallSpec, *, interpret: bool = False,
+              num_splits: int | None = None) -> DecodeConfig:
   """The user's `num_splits` (decode_attention), else enough to fill the
   GPU (`default_num_splits`)."""
-  num_splits = options.get("num_splits")
   if num_splits is None:
     num_splits = default_num_splits(spec.batch, spec.num_kv_heads,
                                     spec.kv_len)
-  return DecodeConfig(num_splits=num_splits,
-                      interpret=bool(options.get("interpret", False)))
+  return DecodeConfig(num_splits=num_splits, interpret=interpret)
 
 
 def forward(spec: CallSpec, config: DecodeConfig, operands: Operands):
@@ -248,8 +246,7 @@ def forward(spec: CallSpec, config: DecodeConfig, operands: Operands):
 BACKEND = registry.Backend(
     name="decode",
     capabilities=CAPABILITIES,
-    option_names=frozenset({"interpret", "num_splits"}),
-    option_types={"num_splits": int},
+    keywords=frozenset({"num_splits"}),
     configure=configure,
     forward=forward,
     backward=None,

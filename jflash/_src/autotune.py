@@ -1,14 +1,17 @@
-"""Autotuning: search tile sizes for one shape, check them, cache the winner.
+"""`jflash.autotune`: search tile sizes for one shape, check them, cache
+the winner.
 
-`autotune` times candidate tiles (`BlockSizes` for the Triton kernels,
-`MosaicBlockSizes` for the Mosaic GPU ones) for one problem shape on the
-current device in two phases (forward tiles timed forward-only, then
-backward tiles timed as forward+backward with the chosen forward tiles),
-rejects every candidate that fails to compile or whose result disagrees with
-the reference, and stores the winner in a JSON file keyed by device kind,
-shape and backend. Both backends consult that file whenever a call comes
-without `block_sizes`, so a shape tuned once stays tuned (tuning/cache.py).
-This module calls the public function; nothing in jflash imports it but
+The search runs on any registered backend that declares a tuning space
+(`registry.Backend.tuning`: Triton's `BlockSizes` in
+backends/triton/tuning.py, Mosaic's `MosaicBlockSizes` in
+backends/mosaic/tuning.py) for one problem shape on the current device, in
+two phases (forward tiles timed forward-only, then backward tiles timed as
+forward+backward with the chosen forward tiles). It rejects every candidate
+that fails to compile or whose result disagrees with the reference, and
+stores the winner in a JSON file keyed by device kind, shape and backend
+(tuning/cache.py), which the backends read whenever a call comes without
+`block_sizes`, so a shape tuned once stays tuned. This module sits above
+the public function, which it calls; nothing in jflash imports it but
 `jflash.autotune` itself.
 """
 
@@ -24,35 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jflash._src import api
-from jflash._src import platform
-from jflash._src.backends.mosaic import config as mosaic_config
+from jflash._src import registry
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.triton.block_sizes import BlockSizes
-from jflash._src.backends.triton.block_sizes import default_block_sizes
 from jflash._src.tuning import cache
-
-# (block_q, block_k, num_warps, num_stages) of the forward kernel.
-FORWARD_CANDIDATES = (
-    (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-    (128, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2), (32, 32, 4, 1),
-)
-# (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, warps, stages).
-BACKWARD_CANDIDATES = (
-    (64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 2),
-    (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 2), (32, 32, 32, 32, 4, 2),
-    (16, 16, 16, 16, 4, 1),
-)
-
-# Mosaic GPU: (block_q, block_kv, num_stages) of the forward kernel, and
-# (block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv, backward_stages).
-# Candidates that exceed shared memory at the head dim are skipped.
-MOSAIC_FORWARD_CANDIDATES = (
-    (64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 256, 2), (128, 64, 2),
-)
-MOSAIC_BACKWARD_CANDIDATES = (
-    (64, 64, 64, 64, 3), (64, 64, 64, 64, 2), (64, 128, 128, 64, 2),
-    (64, 64, 64, 128, 2), (128, 64, 64, 64, 2),
-)
+from jflash._src.tuning.space import TuningSpace
 
 # Largest relative error (max |x - ref| / max |ref|) a candidate may show
 # against the float32 reference, per input dtype. Loose enough for 16-bit
@@ -60,28 +39,10 @@ MOSAIC_BACKWARD_CANDIDATES = (
 _MAX_RELATIVE_ERROR = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 
 
-@dataclasses.dataclass(frozen=True)
-class _TileSearch:
-  """The fields a backend's candidate tuples set, and its defaults."""
-
-  forward_fields: tuple[str, ...]
-  backward_fields: tuple[str, ...]
-  forward_candidates: tuple[tuple[int, ...], ...]
-  backward_candidates: tuple[tuple[int, ...], ...]
-
-
-_TILES = {
-    "triton": _TileSearch(
-        ("block_q", "block_k", "num_warps", "num_stages"),
-        ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq",
-         "num_warps_bwd", "num_stages_bwd"),
-        FORWARD_CANDIDATES, BACKWARD_CANDIDATES),
-    "mosaic": _TileSearch(
-        ("block_q", "block_kv", "num_stages"),
-        ("block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv",
-         "backward_stages"),
-        MOSAIC_FORWARD_CANDIDATES, MOSAIC_BACKWARD_CANDIDATES),
-}
+def _spaces() -> dict[str, TuningSpace]:
+  """The registered backends' tuning spaces, in priority order."""
+  backends = (registry.get(name) for name in registry.names())
+  return {b.name: b.tuning for b in backends if b.tuning is not None}
 
 
 def _relative_error(values, references) -> float:
@@ -131,14 +92,15 @@ def autotune(
     value: same shape as key.
     is_causal: tune the causal kernels.
     implementation: whose tiles to tune: "triton" (`BlockSizes`) or
-      "mosaic" (`MosaicBlockSizes`, on a Hopper GPU).
+      "mosaic" (`MosaicBlockSizes`, on a Hopper GPU); any registered
+      backend with a tuning space.
     forward_candidates: triton: (block_q, block_k, num_warps, num_stages)
-      tuples, default `FORWARD_CANDIDATES`; mosaic: (block_q, block_kv,
-      num_stages), default `MOSAIC_FORWARD_CANDIDATES`.
+      tuples; mosaic: (block_q, block_kv, num_stages); default the
+      backend's `tuning.FORWARD_CANDIDATES` (its `TuningSpace`).
     backward_candidates: triton: (block_q_dkv, block_k_dkv, block_q_dq,
-      block_k_dq, num_warps_bwd, num_stages_bwd) tuples, default
-      `BACKWARD_CANDIDATES`; mosaic: (block_q_dq, block_kv_dq, block_q_dkv,
-      block_kv_dkv, backward_stages), default `MOSAIC_BACKWARD_CANDIDATES`.
+      block_k_dq, num_warps_bwd, num_stages_bwd) tuples; mosaic:
+      (block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv,
+      backward_stages); default the backend's `tuning.BACKWARD_CANDIDATES`.
     interpret: run the Triton kernels through the Pallas interpreter (for
       tests on machines without a GPU; the timings then mean nothing).
     repeats: timed repeats per candidate (the median counts).
@@ -156,8 +118,9 @@ def autotune(
     NotImplementedError: if the implementation cannot run here (e.g.
       "mosaic" off Hopper), with the registry's reason.
   """
-  if implementation not in _TILES:
-    raise ValueError(f"implementation must be one of {tuple(_TILES)}; got "
+  spaces = _spaces()
+  if implementation not in spaces:
+    raise ValueError(f"implementation must be one of {tuple(spaces)}; got "
                      f"{implementation!r}.")
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   if query.ndim != 4 or key.ndim != 4 or key.shape != value.shape:
@@ -165,25 +128,16 @@ def autotune(
         "autotune takes 4-D query [batch, q_len, heads, head_dim] and key/"
         f"value of one shape; got query.shape={query.shape}, "
         f"key.shape={key.shape}, value.shape={value.shape}.")
-  _, q_len, num_heads, head_dim = query.shape
-  kv_len, num_kv_heads = key.shape[1], key.shape[2]
-  shape = dict(q_len=q_len, kv_len=kv_len, num_heads=num_heads,
-               num_kv_heads=num_kv_heads, head_dim=head_dim,
-               dtype=query.dtype, is_causal=bool(is_causal),
-               device_kind=platform.device_kind())
-  options = {"interpret": interpret} if implementation == "triton" else {}
+  # `interpret` goes to the backends that can be interpreted only.
+  taken = registry.get(implementation).option_names
+  options = {"interpret": interpret} if "interpret" in taken else {}
   reason = api.unsupported_reason(query, key, value, is_causal=is_causal,
                                   implementation=implementation, **options)
   if reason is not None:
     raise NotImplementedError(f"jflash.autotune: {reason}")
-  tiles = _TILES[implementation]
-  itemsize = jnp.dtype(query.dtype).itemsize
-  if implementation == "triton":
-    base = default_block_sizes(
-        q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=query.dtype,
-        is_causal=bool(is_causal), device_kind=shape["device_kind"])
-  else:
-    base = mosaic_config.default_block_sizes(head_dim, itemsize)
+  space = spaces[implementation]
+  spec = api.describe(query, key, value, is_causal=is_causal).spec
+  key_of_shape = cache.call_key(spec, implementation)
   cotangent = jax.random.normal(jax.random.key(0), query.shape, query.dtype)
   upcast = [x.astype(jnp.float32) for x in (query, key, value)]
   with jax.default_matmul_precision("highest"):
@@ -227,33 +181,29 @@ def autotune(
       results.append((seconds, sizes))
     if not results:
       raise ValueError("jflash.autotune: every candidate was rejected for "
-                       f"{cache.shape_key(**shape)}; rerun with "
-                       "verbose=True.")
+                       f"{key_of_shape}; rerun with verbose=True.")
     return min(results, key=lambda r: r[0])
 
   def fits(sizes):
-    # Mosaic tiles beyond Hopper's shared memory are not candidates.
+    # Tiles beyond the device's shared memory are not candidates.
     try:
-      if implementation == "mosaic":
-        sizes.check_fits(head_dim, itemsize)
+      space.check_fits(sizes, spec)
     except ValueError as e:
       if verbose:
         print(f"jflash.autotune: skipped {sizes}: {e}")
       return False
     return True
 
-  forward = [dataclasses.replace(base, **dict(zip(tiles.forward_fields, c)))
-             for c in forward_candidates or tiles.forward_candidates]
+  forward = space.forward_tiles(space.base(spec), forward_candidates)
   forward_seconds, best = best_of([s for s in forward if fits(s)],
                                   forward_step, 1)
-  backward = [dataclasses.replace(best, **dict(zip(tiles.backward_fields, c)))
-              for c in backward_candidates or tiles.backward_candidates]
+  backward = space.backward_tiles(best, backward_candidates)
   total_seconds, best = best_of([s for s in backward if fits(s)],
                                 backward_step, 4)
 
   path = cache.cache_path() if path is None else path
   if path is not None:
-    cache.store(path, cache.shape_key(**shape, backend=implementation), {
+    cache.store(path, key_of_shape, {
         "block_sizes": dataclasses.asdict(best),
         "forward_ms": forward_seconds * 1e3,
         "forward_backward_ms": total_seconds * 1e3,
