@@ -47,14 +47,29 @@ a few on purpose).
 
 The `jflash/_src/backends/mosaic/pipeline.py` helpers it calls (each says
 so in its docstring): `query_block`, `key_block`, `row_group_start`,
-`kv_head_of`, `key_tiles`, `query_tiles`, `consumer_runs`,
-`key_tile_visible`, `query_tile_visible`, `valid_lse`, `group_slot`,
-`group_step_rows`, `slot_of`, `segment_inputs`, `segment_range` (through
-the two block helpers and the two tile helpers), `SegmentIds`,
-`PersistentGrid` (`over`, `position`, `num_blocks`) and `sm_count` (patched
-to MODEL_SM_COUNT); the kernels' constants `forward.COMPUTE_WARPGROUPS` and
-`config.backward_warpgroup_split`; the backend's `configure`, `forward` and
-`backward` (traced for their launches).
+`row_group_of`, `column_chunk_of`, `tile_start`, `kv_head_of`, `key_tiles`,
+`query_tiles`, `consumer_runs`, `key_tile_visible`, `query_tile_visible`,
+`valid_lse`, `group_slot`, `group_step_rows`, `slot_of`, `segment_inputs`,
+`segment_range` (through the two block helpers and the two tile helpers),
+`SegmentIds`, `PersistentGrid` (`over`, `position`, `num_blocks`) and
+`sm_count` (patched to MODEL_SM_COUNT); it restates `produce`'s slots and
+the rows `key_value_loader`, `query_loader` and `load_ids` copy. Beyond
+pipeline.py: `forward.COMPUTE_WARPGROUPS`,
+`config.backward_warpgroup_split`, and the backend's `configure`, `forward`
+and `backward` (traced for their launches).
+
+What it still restates from the kernels' code rather than calls (a change
+there must be made here too): the arithmetic, in float64 on purpose (jnp
+helpers would compute in float32: `numerics.logits_base2`, the online
+softmax from the sink or MASK_VALUE, the epilogue, `backward._score_gradient`
+as `_dlogits2`); the persistent forward's loop over a program's blocks
+(`forward_kernel`'s `over_items`) and `forward_call`'s `PersistentGrid.over`
+arguments (checked against the launch's programs); each kernel's cut into
+row groups (`_kernel_rows`, checked against the host's `segment_inputs`
+arguments where there are segments); the dK/dV consumers' order of steps
+(heads of the group, then runs: `head_loop`); the column slices of a chunk
+(`backward._columns`); the backward operands' padding (`backward_call`);
+the forward's row group being its warpgroup (`row_group_of(wg, 1)`).
 
 What the model cannot see is the GPU code around those decisions (wgmma,
 barriers, layouts, ping-pong, which refs the kernels hand the helpers: the
@@ -73,7 +88,6 @@ from unittest import mock
 
 import chex
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -382,15 +396,6 @@ def _over_grid(fn, launch: Launch):
   return fn
 
 
-def _roles(warpgroup, chunks: int):
-  """(row group, column chunk) of a backward compute warpgroup, as
-  `backward._for_each_compute_warpgroup` assigns them (chunks=1: the
-  forward's, each warpgroup a row group of its own)."""
-  if chunks == 1:
-    return warpgroup, jnp.int32(0)
-  return lax.div(warpgroup, chunks), lax.rem(warpgroup, chunks)
-
-
 def _int32(tree):
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.int32), tree)
 
@@ -513,7 +518,8 @@ def _decisions(case: Case, sizes: MosaicBlockSizes, launches, segments):
           mask, q_lengths, kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
           block_rows=num_row_groups * block_q, block_kv=block_kv,
           ranges_ref=block_ranges, position=position)
-      row_group, chunk = _roles(block.warpgroup, num_chunks)
+      row_group = pipeline.row_group_of(block.warpgroup, num_chunks)
+      chunk = pipeline.column_chunk_of(block.warpgroup, num_chunks)
       q_start = pipeline.row_group_start(block.start, row_group, block_q)
       own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv,
                                ranges_ref=group_ranges)
@@ -543,7 +549,8 @@ def _decisions(case: Case, sizes: MosaicBlockSizes, launches, segments):
         mask, q_lengths, kv_lengths, q_seq=q_seq, kv_seq=kv_seq,
         block_rows=dkv_rows.row_groups * sizes.block_kv_dkv,
         block_q=sizes.block_q_dkv, group=group, ranges_ref=block_ranges)
-    row_group, chunk = _roles(block.warpgroup, chunks)
+    row_group = pipeline.row_group_of(block.warpgroup, chunks)
+    chunk = pipeline.column_chunk_of(block.warpgroup, chunks)
     k_start = pipeline.row_group_start(block.start, row_group,
                                        sizes.block_kv_dkv)
     own = pipeline.query_tiles(mask, block, k_start, sizes.block_kv_dkv,
@@ -709,6 +716,12 @@ def _id_loads(segments, batch: int, own_start: int, own_rows: int,
     _load_ids(segments.streamed_ids, batch, start, streamed_rows)
 
 
+def _streamed_starts(lo: int, hi: int, rows: int):
+  """The first rows of the tiles a producer streams at steps [lo, hi)
+  (forward, dQ: key tiles of `rows` rows)."""
+  return [pipeline.tile_start(step, rows) for step in range(lo, hi)]
+
+
 def _reads_past_tables(decisions, segments) -> list[str]:
   """The reads of the segment ranges tables ([B, 2, tiles]) outside them,
   by any grid point and warpgroup of the three kernels (a GPU would read
@@ -760,7 +773,7 @@ def _key_tile_masks(mask: MaskSpec, block_q: int, block_kv: int, segments):
   them). With segments (`segments`: the kernel's SegmentInputs), the ids
   tiles the kernels pass: the rows' ids, loaded with the row group's Q at
   q_start, broadcast along the columns; the key tile's, loaded with K at
-  kv_step * block_kv, along the rows."""
+  `pipeline.tile_start(kv_step, block_kv)`, along the rows."""
   rows = np.arange(block_q)[:, None]
   columns = np.arange(block_kv)[None, :]
   shape = (block_q, block_kv)
@@ -771,9 +784,10 @@ def _key_tile_masks(mask: MaskSpec, block_q: int, block_kv: int, segments):
     if segments is not None:
       ids = (np.broadcast_to(_load_ids(segments.own_ids, batch, q_start,
                                        block_q)[:, None], shape),
-             np.broadcast_to(_load_ids(segments.streamed_ids, batch,
-                                       kv_step * block_kv,
-                                       block_kv)[None, :], shape))
+             np.broadcast_to(_load_ids(
+                 segments.streamed_ids, batch,
+                 pipeline.tile_start(kv_step, block_kv), block_kv)[None, :],
+                 shape))
     # The ids positionally, as the kernels pass them.
     return _numpy(pipeline.key_tile_visible(
         mask, q_start + rows, columns, kv_step, block_kv, kv_len, offset,
@@ -802,8 +816,9 @@ def _computed_key_tiles(runs, kinds, k, v, block_kv: int):
     if kind == "skip":
       continue
     for step in range(lo, hi):
-      yield (step, kind, _load_rows(k, step * block_kv, block_kv),
-             _load_rows(v, step * block_kv, block_kv))
+      start = pipeline.tile_start(step, block_kv)
+      yield (step, kind, _load_rows(k, start, block_kv),
+             _load_rows(v, start, block_kv))
 
 
 def _model_forward(case: Case, sizes, launch: Launch, decisions, kinds,
@@ -825,8 +840,8 @@ def _model_forward(case: Case, sizes, launch: Launch, decisions, kinds,
     b, h, kh, q_start = d["batch"], d["head"], d["kv_head"], d["q_start"]
     _check_walk(point, d["runs"], d["steps_lo"], d["steps_hi"])
     _id_loads(segments, b, q_start, block_q,
-              range(d["steps_lo"] * block_kv, d["steps_hi"] * block_kv,
-                    block_kv), block_kv)
+              _streamed_starts(d["steps_lo"], d["steps_hi"], block_kv),
+              block_kv)
     q_tile = _load_rows(q[b, :, h], q_start, block_q)
     rows = q_start + tile_rows[:, None]
     acc = np.zeros((block_q, spec.head_dim))
@@ -877,8 +892,8 @@ def _model_dq(case: Case, sizes, launch: Launch, decisions, kinds, segments,
     chunk = _columns(spec, d["chunk"])
     _check_walk(point, d["runs"], d["steps_lo"], d["steps_hi"])
     _id_loads(segments, b, q_start, block_q,
-              range(d["steps_lo"] * block_kv, d["steps_hi"] * block_kv,
-                    block_kv), block_kv)
+              _streamed_starts(d["steps_lo"], d["steps_hi"], block_kv),
+              block_kv)
     q_tile = _load_rows(q[b, :, h], q_start, block_q)
     do_tile = _load_rows(dout[b, :, h], q_start, block_q)
     row_ids = q_start + tile_rows
@@ -957,7 +972,7 @@ def _model_dkv(case: Case, sizes, launch: Launch, decisions, kinds,
           step += 1
           if kind == "skip":
             continue
-          q_start = q_tile_index * block_q
+          q_start = pipeline.tile_start(q_tile_index, block_q)
           q_tile = _load_rows(q[b, :, head], rows_start, block_q)
           do_tile = _load_rows(dout[b, :, head], rows_start, block_q)
           lse = _numpy(pipeline.valid_lse(

@@ -136,6 +136,17 @@ def produce(load: Callable, lo, hi, stages: int, consumed: tuple):
     load(step, slot)
 
 
+def tile_start(tile, rows: int):
+  """First row of tile `tile` of an axis cut into tiles of `rows` rows: the
+  keys of ring step `tile` (forward, dQ), the queries of query tile `tile`
+  (dK/dV).
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the rows
+  of every streamed tile it loads and masks.
+  """
+  return tile * rows
+
+
 def key_value_loader(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, *,
                      batch, kv_head, block_kv: int,
                      ids: tuple | None = None) -> Callable:
@@ -146,15 +157,17 @@ def key_value_loader(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, *,
     (a barrier of two arrivals then).
 
   The CPU masking model (tests/mosaic_model.py) restates which rows
-  this loads (K, V and their ids at step * block_kv, block_kv rows).
+  this loads (K, V and their ids at `tile_start(step, block_kv)`, block_kv
+  rows).
   """
 
   def load(step, slot):
-    rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+    rows = (batch, pl.ds(tile_start(step, block_kv), block_kv), kv_head)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot],
                             k_ready.at[slot])
     if ids is not None:
-      load_ids(ids, batch, step * block_kv, block_kv, slot, k_ready.at[slot])
+      load_ids(ids, batch, tile_start(step, block_kv), block_kv, slot,
+               k_ready.at[slot])
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot],
                             v_ready.at[slot])
 
@@ -421,6 +434,28 @@ def row_group_start(block_start, row_group, rows: int):
   return block_start + row_group * rows
 
 
+def row_group_of(warpgroup, chunks: int):
+  """The row group of compute warpgroup `warpgroup` when `chunks` of them
+  share each row group, one column chunk each (the backward at head dim
+  256; `backward._for_each_compute_warpgroup`): the warpgroup itself with a
+  single chunk, as in the forward.
+
+  The CPU masking model (tests/mosaic_model.py) calls this: every
+  consumer's row group.
+  """
+  return warpgroup if chunks == 1 else lax.div(warpgroup, chunks)
+
+
+def column_chunk_of(warpgroup, chunks: int):
+  """The column chunk of compute warpgroup `warpgroup` of `row_group_of`:
+  0 (a Python int) with a single chunk.
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the
+  head-dim columns every backward consumer accumulates.
+  """
+  return 0 if chunks == 1 else lax.rem(warpgroup, chunks)
+
+
 def kv_head_of(head, group: int):
   """The key/value head of query head `head` (GQA groups of `group`).
 
@@ -454,8 +489,8 @@ def key_tile_visible(mask: MaskSpec, rows, columns, kv_step, block_kv: int,
   The CPU masking model (tests/mosaic_model.py) calls this: the mask
   of every "masked" forward and dQ tile.
   """
-  return masks.visible(mask, rows, columns + kv_step * block_kv, kv_len,
-                       offset, q_ids=q_ids, kv_ids=kv_ids)
+  return masks.visible(mask, rows, columns + tile_start(kv_step, block_kv),
+                       kv_len, offset, q_ids=q_ids, kv_ids=kv_ids)
 
 
 def valid_lse(lse, rows, q_len):
@@ -566,7 +601,7 @@ def group_step_rows(step, block: KeyBlock, group: int, block_q: int):
   """
   per_head = jnp.maximum(block.tiles_per_head, 1)
   return (block.kv_head * group + lax.div(step, per_head),
-          (block.tiles_lo + lax.rem(step, per_head)) * block_q)
+          tile_start(block.tiles_lo + lax.rem(step, per_head), block_q))
 
 
 # Segments (packed sequences), as the Triton kernels take them (masks.py):
