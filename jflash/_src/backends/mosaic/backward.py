@@ -117,16 +117,20 @@ def _score_gradient(probs, capped, dprobs, delta_bcast):
 
 
 def _for_each_compute_warpgroup(wg, chunks: int, consumer):
-  """Runs consumer(row_group, chunk) on the compute warpgroups: the row
-  group is traced, the column chunk static (it slices shared memory)."""
+  """Runs consumer(row_group, chunk) on the compute warpgroups, in the
+  roles `pipeline.row_group_of` and `pipeline.column_chunk_of` give them:
+  the row group is traced, the column chunk static (it slices shared
+  memory)."""
   if chunks == 1:
-    pl.when(wg < COMPUTE_WARPGROUPS)(
-        functools.partial(consumer, wg, 0))
+    pl.when(wg < COMPUTE_WARPGROUPS)(functools.partial(
+        consumer, pipeline.row_group_of(wg, chunks),
+        pipeline.column_chunk_of(wg, chunks)))
     return
   for chunk in range(chunks):
     pl.when(jnp.logical_and(wg < COMPUTE_WARPGROUPS,
-                            lax.rem(wg, chunks) == chunk))(
-        functools.partial(consumer, lax.div(wg, chunks), chunk))
+                            pipeline.column_chunk_of(wg, chunks) == chunk))(
+        functools.partial(consumer, pipeline.row_group_of(wg, chunks),
+                          chunk))
 
 
 def _ranges(segments, name: str):
@@ -427,7 +431,7 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
         plgpu.barrier_wait(scratch.do_ready.at[slot])
         plgpu.barrier_arrive(scratch.consumed.at[slot])
         return carry
-      q_start = q_tile_index * block_q
+      q_start = pipeline.tile_start(q_tile_index, block_q)
       q_tile, do_tile = scratch.q.at[slot], scratch.do.at[slot]
 
       def scores(acc_ref):
@@ -469,7 +473,7 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
 
       dk = pl.run_state(keys)(plgpu.ACC.init(dk))
       if refs.dq_sum is not None:
-        add_query_gradient(ds_t, q_tile_index * block_q,
+        add_query_gradient(ds_t, pipeline.tile_start(q_tile_index, block_q),
                            kv_head * group + head_step)
       plgpu.barrier_arrive(scratch.consumed.at[slot])
       return dk, dv

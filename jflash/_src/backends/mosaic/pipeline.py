@@ -10,10 +10,12 @@ TMA copies complete, and walk the same steps (`consumer_runs`).
 Every decision about which tiles and rows a warpgroup works on (block and
 row-group positions, its runs of tiles and their kinds, the element-wise
 masks, the rows whose lse is dropped, the dK/dV ring's slots and loads) is
-a helper here rather than inline in a kernel: tests/mosaic_masking_test.py
-walks the kernels' tiles on CPU with these same helpers and checks the
-result numerically (no interpreter runs the kernels). Keep new decisions
-here too.
+a helper here rather than inline in a kernel: the CPU model in
+tests/mosaic_model.py (run by tests/mosaic_masking_test.py) walks the
+kernels' tiles with these same helpers and checks the result numerically
+(no interpreter runs the kernels). Keep new decisions here too; each helper
+the model calls or restates says so in its docstring, and a change to one
+must keep the model right (and the masking test passing).
 
 A kernel receives its GMEM inputs as one `KernelInputs` of refs (an absent
 operand is None), and its shared memory and barriers as one scratch
@@ -70,6 +72,10 @@ def consumer_runs(runs, lo, hi):
     the ranges do not depend on the block), they stay Python ints and the
     empty runs are left out: each run is one more copy of a loop body in
     the kernel, and fewer copies compile faster.
+
+  The CPU masking model (tests/mosaic_model.py) calls this: each
+  consumer's runs and their kinds (a walk it checks against the producer's
+  steps).
   """
   if _static(lo, hi, *(b for run in runs for b in run[:2])):
     own_lo = min(max(runs[0][0], lo), hi)
@@ -93,7 +99,11 @@ def consumer_runs(runs, lo, hi):
 
 def slot_of(step, lo, stages: int):
   """The ring slot of step `step` of a range starting at `lo` (a traced
-  int32 scalar, or the Python int 0)."""
+  int32 scalar, or the Python int 0).
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the slot
+  the dK/dV producer fills at each step.
+  """
   return lax.rem(step if isinstance(lo, int) and lo == 0 else step - lo,
                  stages)
 
@@ -108,6 +118,10 @@ def produce(load: Callable, lo, hi, stages: int, consumed: tuple):
     stages: the ring's slots.
     consumed: the "consumed" barrier arrays to wait on before refilling a
       slot (one per separately released buffer, e.g. K's and V's).
+
+  The CPU masking model (tests/mosaic_model.py) restates this: step i of
+  [0, hi) is in slot i for the first `stages`, then in slot_of(i), the same
+  (the dK/dV ring's producer side, checked against `group_slot`).
   """
   for i in range(stages):
     pl.when(lo + i < hi)(functools.partial(load, as_int32(lo + i), i))
@@ -122,6 +136,17 @@ def produce(load: Callable, lo, hi, stages: int, consumed: tuple):
     load(step, slot)
 
 
+def tile_start(tile, rows: int):
+  """First row of tile `tile` of an axis cut into tiles of `rows` rows: the
+  keys of ring step `tile` (forward, dQ), the queries of query tile `tile`
+  (dK/dV).
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the rows
+  of every streamed tile it loads and masks.
+  """
+  return tile * rows
+
+
 def key_value_loader(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, *,
                      batch, kv_head, block_kv: int,
                      ids: tuple | None = None) -> Callable:
@@ -130,14 +155,19 @@ def key_value_loader(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, *,
   ids: with segments, (kv segment ids in GMEM [B, S'], their ring in shared
     memory [stages, block_kv]): the tile's ids come with K, on `k_ready`
     (a barrier of two arrivals then).
+
+  The CPU masking model (tests/mosaic_model.py) restates which rows
+  this loads (K, V and their ids at `tile_start(step, block_kv)`, block_kv
+  rows).
   """
 
   def load(step, slot):
-    rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+    rows = (batch, pl.ds(tile_start(step, block_kv), block_kv), kv_head)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot],
                             k_ready.at[slot])
     if ids is not None:
-      load_ids(ids, batch, step * block_kv, block_kv, slot, k_ready.at[slot])
+      load_ids(ids, batch, tile_start(step, block_kv), block_kv, slot,
+               k_ready.at[slot])
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot],
                             v_ready.at[slot])
 
@@ -148,7 +178,11 @@ def load_ids(ids: tuple, batch, start, rows: int, index, barrier):
   """Copies segment ids [start, start + rows) of a batch element (ids: (GMEM
   [B, L'], shared memory [n, rows])) into shared-memory row `index`; the
   copy completes `barrier`. A 1-D copy is bounded by the whole array, not
-  by its row: the host pads the ids to whole tiles (`segment_inputs`)."""
+  by its row: the host pads the ids to whole tiles (`segment_inputs`).
+
+  The CPU masking model (tests/mosaic_model.py) restates this copy and
+  checks that no load leaves its row.
+  """
   ids_gmem, ids_smem = ids
   plgpu.copy_gmem_to_smem(ids_gmem.at[batch, pl.ds(start, rows)],
                           ids_smem.at[index], barrier)
@@ -163,6 +197,9 @@ def query_loader(q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem,
   `do_ready[index]` (two copies each: barriers of two arrivals). With
   segments (ids: as `key_value_loader`'s, for the queries) the rows' ids
   come with Q (three arrivals).
+
+  The CPU masking model (tests/mosaic_model.py) restates which rows
+  this loads (block_q rows at q_start, of Q, dO, lse, delta and ids).
   """
 
   def load(head, q_start, index):
@@ -209,7 +246,11 @@ DEFAULT_SM_COUNT = 132
 
 
 def sm_count() -> int:
-  """The default device's SMs (DEFAULT_SM_COUNT off the GPU)."""
+  """The default device's SMs (DEFAULT_SM_COUNT off the GPU).
+
+  The CPU masking model (tests/mosaic_model.py) patches this (a few
+  SMs, so that its persistent programs work through several items).
+  """
   device = jax.devices()[0]
   count = getattr(device, "core_count", None)
   if device.platform != "gpu" or not count:
@@ -224,6 +265,11 @@ class PersistentGrid(NamedTuple):
   masks, where a tile's work grows with its index), the two tiles t and
   q_tiles - 1 - t: every item then costs about the same (q_tiles + 1 key
   tiles), so that handing them out round-robin balances the programs.
+
+  The CPU masking model (tests/mosaic_model.py) calls `over`,
+  `position` and `num_blocks` (and reads `programs`, `items`,
+  `blocks_per_item`): the blocks each program computes, checked to cover
+  every tile once.
   """
 
   programs: int
@@ -302,7 +348,11 @@ def query_block_start(mask: MaskSpec, q_seq: int, block_rows: int,
                       q_tile=None):
   """First query row of query tile `q_tile` (default: grid axis
   "q_tiles"); causal blocks run in reverse, longest first (they visit the
-  most key tiles)."""
+  most key tiles).
+
+  The CPU masking model (tests/mosaic_model.py) calls this through
+  `query_block`.
+  """
   tile = lax.axis_index("q_tiles") if q_tile is None else q_tile
   if mask.is_causal:
     tile = (pl.cdiv(q_seq, block_rows) - 1) - tile
@@ -312,7 +362,11 @@ def query_block_start(mask: MaskSpec, q_seq: int, block_rows: int,
 def lengths(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, batch,
             q_seq: int, kv_seq: int):
   """(q_len, kv_len) of the batch element: int32 scalars read from GMEM
-  with lengths, else the static array lengths."""
+  with lengths, else the static array lengths.
+
+  The CPU masking model (tests/mosaic_model.py) calls this through
+  `query_block` and `key_block`.
+  """
   if mask.has_lengths:
     return q_lengths_ref[batch], kv_lengths_ref[batch]
   return q_seq, kv_seq
@@ -351,6 +405,9 @@ def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
     point (grid axes "q_tiles", "heads", "batch").
   ranges_ref: with segments, the host's per-block key tile ranges
     (`SegmentInputs.block_ranges`).
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the
+  forward's and dQ's blocks (the producer's key tiles).
   """
   position = grid_position() if position is None else position
   batch, head = position.batch, position.head
@@ -369,12 +426,42 @@ def query_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *,
 
 def row_group_start(block_start, row_group, rows: int):
   """First row of row group `row_group` (`rows` rows each) of a block that
-  starts at `block_start`: a compute warpgroup's rows."""
+  starts at `block_start`: a compute warpgroup's rows.
+
+  The CPU masking model (tests/mosaic_model.py) calls this: every
+  consumer's rows.
+  """
   return block_start + row_group * rows
 
 
+def row_group_of(warpgroup, chunks: int):
+  """The row group of compute warpgroup `warpgroup` when `chunks` of them
+  share each row group, one column chunk each (the backward at head dim
+  256; `backward._for_each_compute_warpgroup`): the warpgroup itself with a
+  single chunk, as in the forward.
+
+  The CPU masking model (tests/mosaic_model.py) calls this: every
+  consumer's row group.
+  """
+  return warpgroup if chunks == 1 else lax.div(warpgroup, chunks)
+
+
+def column_chunk_of(warpgroup, chunks: int):
+  """The column chunk of compute warpgroup `warpgroup` of `row_group_of`:
+  0 (a Python int) with a single chunk.
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the
+  head-dim columns every backward consumer accumulates.
+  """
+  return 0 if chunks == 1 else lax.rem(warpgroup, chunks)
+
+
 def kv_head_of(head, group: int):
-  """The key/value head of query head `head` (GQA groups of `group`)."""
+  """The key/value head of query head `head` (GQA groups of `group`).
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the K/V
+  the forward and dQ blocks stream.
+  """
   return lax.div(head, jnp.int32(group))
 
 
@@ -384,6 +471,9 @@ def key_tiles(mask: MaskSpec, block: QueryBlock, q_start, block_q: int,
   group of `block_q` rows at `q_start` (forward and dQ; `consumer_runs`
   clips them to the block's [steps_lo, steps_hi)). ranges_ref: with
   segments, the host's per-row-group ranges (`SegmentInputs.group_ranges`).
+
+  The CPU masking model (tests/mosaic_model.py) calls this: each
+  forward and dQ consumer's key tiles.
   """
   return masks.key_blocks(mask, q_start, block_q, block_kv, block.q_len,
                           block.kv_len, block.offset,
@@ -394,14 +484,22 @@ def key_tile_visible(mask: MaskSpec, rows, columns, kv_step, block_kv: int,
                      kv_len, offset, q_ids=None, kv_ids=None):
   """The element-wise mask of key tile `kv_step` (forward and dQ): `rows`
   absolute query positions, `columns` positions within the tile; with
-  segments, q_ids and kv_ids: the rows' and the columns' ids, as tiles."""
-  return masks.visible(mask, rows, columns + kv_step * block_kv, kv_len,
-                       offset, q_ids=q_ids, kv_ids=kv_ids)
+  segments, q_ids and kv_ids: the rows' and the columns' ids, as tiles.
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the mask
+  of every "masked" forward and dQ tile.
+  """
+  return masks.visible(mask, rows, columns + tile_start(kv_step, block_kv),
+                       kv_len, offset, q_ids=q_ids, kv_ids=kv_ids)
 
 
 def valid_lse(lse, rows, q_len):
   """The lse of query rows before q_len, +inf past it (whatever TMA read
-  there), so that their probabilities are 0 (backward kernels)."""
+  there), so that their probabilities are 0 (backward kernels).
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the lse
+  of every dQ and dK/dV tile.
+  """
   return jnp.where(rows < q_len, lse, jnp.inf)
 
 
@@ -429,7 +527,11 @@ def key_block(mask: MaskSpec, q_lengths_ref, kv_lengths_ref, *, q_seq: int,
               ranges_ref=None) -> KeyBlock:
   """This block's position, lengths and query tiles (grid axes
   "kv_tiles", "heads" (kv heads), "batch"; thread axis "wg"). ranges_ref:
-  with segments, the host's per-block query tile ranges."""
+  with segments, the host's per-block query tile ranges.
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the
+  dK/dV blocks (the producer's query tiles, its steps).
+  """
   batch = lax.axis_index("batch")
   kv_head = lax.axis_index("heads")
   warpgroup = lax.axis_index("wg")
@@ -454,7 +556,11 @@ def query_tiles(mask: MaskSpec, block: KeyBlock, k_start, block_kv: int,
                 block_q: int, ranges_ref=None):
   """The `masks` runs [(lo, hi, needs_mask)] of the query tiles of the row
   group of `block_kv` keys at `k_start` (dK/dV; `consumer_runs` clips them
-  to the block's [tiles_lo, tiles_hi)). ranges_ref: as `key_tiles`'."""
+  to the block's [tiles_lo, tiles_hi)). ranges_ref: as `key_tiles`'.
+
+  The CPU masking model (tests/mosaic_model.py) calls this: each
+  dK/dV consumer's query tiles.
+  """
   return masks.query_blocks(mask, k_start, block_kv, block_q, block.q_len,
                             block.kv_len, block.offset,
                             segment_range(ranges_ref, block.batch)).runs()
@@ -465,7 +571,11 @@ def query_tile_visible(mask: MaskSpec, query_offsets, q_start, key_ids,
   """The element-wise mask of a transposed tile (dK/dV: rows are keys,
   columns queries): `query_offsets` positions within the query tile at
   `q_start`, `key_ids` absolute key positions; with segments, q_ids and
-  kv_ids: the columns' and the rows' segment ids, as tiles."""
+  kv_ids: the columns' and the rows' segment ids, as tiles.
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the mask
+  of every "masked" dK/dV tile.
+  """
   return masks.visible(mask, query_offsets + q_start, key_ids, kv_len,
                        offset, q_ids=q_ids, kv_ids=kv_ids)
 
@@ -473,17 +583,25 @@ def query_tile_visible(mask: MaskSpec, query_offsets, q_start, key_ids,
 def group_slot(head_step, q_tile_index, block: KeyBlock, stages: int):
   """The ring slot of the dK/dV consumers' step (head `head_step` of the
   group, query tile `q_tile_index`): that of the producer's step
-  head_step * tiles_per_head + (q_tile_index - tiles_lo)."""
+  head_step * tiles_per_head + (q_tile_index - tiles_lo).
+
+  The CPU masking model (tests/mosaic_model.py) calls this: the slot
+  each dK/dV consumer reads, checked against the producer's.
+  """
   return lax.rem(head_step * block.tiles_per_head
                  + (q_tile_index - block.tiles_lo), stages)
 
 
 def group_step_rows(step, block: KeyBlock, group: int, block_q: int):
   """(query head, first query row) of the tiles the dK/dV producer loads at
-  step `step` of [0, num_steps)."""
+  step `step` of [0, num_steps).
+
+  The CPU masking model (tests/mosaic_model.py) calls this: what
+  each dK/dV consumer's step computes on.
+  """
   per_head = jnp.maximum(block.tiles_per_head, 1)
   return (block.kv_head * group + lax.div(step, per_head),
-          (block.tiles_lo + lax.rem(step, per_head)) * block_q)
+          tile_start(block.tiles_lo + lax.rem(step, per_head), block_q))
 
 
 # Segments (packed sequences), as the Triton kernels take them (masks.py):
@@ -497,7 +615,10 @@ def group_step_rows(step, block: KeyBlock, group: int, block_q: int):
 
 class SegmentIds(NamedTuple):
   """A call's segment ids and (filled) lengths, as the backend passes
-  them to the kernels' host functions: int32 [B, T], [B, S], [B], [B]."""
+  them to the kernels' host functions: int32 [B, T], [B, S], [B], [B].
+
+  The CPU masking model (tests/mosaic_model.py) builds these.
+  """
 
   q_ids: Any
   kv_ids: Any
@@ -515,6 +636,8 @@ class SegmentInputs(NamedTuple):
     block_ranges: int32 [B, 2, blocks]: per block, (first, stop) of the
       other axis's tiles its segments can meet.
     group_ranges: int32 [B, 2, row groups]: the same per row group.
+
+  The CPU masking model (tests/mosaic_model.py) reads these fields.
   """
 
   own_ids: Any
@@ -568,7 +691,11 @@ class KernelInputs:
 
 def _pad_ids(ids, multiple: int):
   """ids [B, L] padded with -1 to a multiple of `multiple` (positions past
-  the lengths are masked whatever their ids)."""
+  the lengths are masked whatever their ids).
+
+  The CPU masking model (tests/mosaic_model.py) caches its results
+  (through `segment_inputs`): see its HOST_HELPERS.
+  """
   extra = -ids.shape[1] % multiple
   return jnp.pad(ids.astype(jnp.int32), [(0, 0), (0, extra)],
                  constant_values=-1)
@@ -586,6 +713,10 @@ def segment_inputs(segments: SegmentIds, *, queries_own: bool,
     block_rows: rows of the own axis per block.
     group_rows: rows per row group (per compute warpgroup).
     streamed_rows: rows of the other axis per streamed tile.
+
+  The CPU masking model (tests/mosaic_model.py) calls this with the
+  arguments the host code passed (it records them, and checks them against
+  how it cuts the blocks), and caches the results: see its HOST_HELPERS.
   """
   own = (segments.q_ids, segments.q_lengths)
   other = (segments.kv_ids, segments.kv_lengths)
@@ -641,7 +772,12 @@ def segment_sources(segments: SegmentInputs | None, own_smem, streamed_smem):
 
 def segment_range(ranges_ref, batch) -> masks.SegmentRange | None:
   """The `masks.SegmentRange` of a batch element's (first, stop) table
-  ([B, 2, tiles]), or None without segments."""
+  ([B, 2, tiles]), or None without segments.
+
+  The CPU masking model (tests/mosaic_model.py) calls this (through
+  query_block, key_block, key_tiles and query_tiles) on tables that record
+  their reads: a read outside the table fails the model.
+  """
   if ranges_ref is None:
     return None
   return lambda tile: (ranges_ref[batch, 0, tile], ranges_ref[batch, 1, tile])
