@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jflash._src import modifiers
+from jflash._src import platform
 from jflash._src import registry
 from jflash._src.backends.mosaic import backward as backward_kernels
 from jflash._src.backends.mosaic import forward as forward_kernels

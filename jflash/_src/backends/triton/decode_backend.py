@@ -102,33 +102,6 @@ def combine(out_parts, lse2_parts, sink2=None):
   return out, lse2
 
 
-def combine(out_parts, lse2_parts, sink2=None):
-  """Merges split partials through their base-2 lse.
-
-  Args:
-    out_parts: float32 [P, ..., H], each split's normalized output.
-    lse2_parts: float32 [P, ...], each split's lse (-inf: saw nothing).
-    sink2: float32 [...] base-2 sink logits, a partial with no value, or
-      None.
-
-  Returns:
-    (out [..., H], lse2 [...]); rows that saw nothing: 0 and -inf (with a
-    sink: 0 and the sink).
-  """
-  lse2_all = lse2_parts if sink2 is None else jnp.concatenate(
-      [lse2_parts, sink2[None]], axis=0)
-  top = jnp.max(lse2_all, axis=0)
-  # All -inf (nothing seen, no sink): weights of 0, never exp2(nan).
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  weights = jnp.exp2(lse2_all - top[None])
-  total = jnp.sum(weights, axis=0)
-  safe_total = jnp.where(total > 0.0, total, 1.0)
-  out = jnp.sum(weights[:lse2_parts.shape[0], ..., None] * out_parts,
-                axis=0) / safe_total[..., None]
-  lse2 = jnp.where(total > 0.0, top + jnp.log2(safe_total), -jnp.inf)
-  return out, lse2
-
-
 def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
                      *, mask, scale, soft_cap, num_splits, interpret,
                      q_lengths=None):
