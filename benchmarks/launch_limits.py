@@ -64,6 +64,18 @@ def _decode_once(rows, head_dim, dtype, launch, kv_seq=1024):
   return jax.block_until_ready(run(q, k, v))
 
 
+def _calibrate_one(rows, head_dim, dtype, launch):
+  """(the model's bytes, "ran" or what Triton requested) of one launch."""
+  model = triton_decode.shared_memory(
+      launch, rows=rows, head_dim=head_dim,
+      itemsize=jnp.dtype(dtype).itemsize)
+  try:
+    _decode_once(rows, head_dim, dtype, launch)
+    return model, "ran"
+  except Exception as e:  # pylint: disable=broad-except
+    return model, _requested(e)
+
+
 def calibrate_grid():
   """Decode launches over rows x head dims x dtypes x launches: the bytes
   Triton requests (or "ran"), beside the model's."""
@@ -72,14 +84,7 @@ def calibrate_grid():
   for dtype, rows, head_dim, launch in (
       (d, r, h, l) for d in ("bfloat16", "float32") for r in (16, 32, 64, 128)
       for h in (128, 256) for l in (L(64, 4, 4), L(64, 4, 3), L(32, 4, 4))):
-    model = triton_decode.shared_memory(
-        launch, rows=rows, head_dim=head_dim,
-        itemsize=jnp.dtype(dtype).itemsize)
-    try:
-      _decode_once(rows, head_dim, dtype, launch)
-      outcome = "ran"
-    except Exception as e:  # pylint: disable=broad-except
-      outcome = _requested(e)
+    model, outcome = _calibrate_one(rows, head_dim, dtype, launch)
     print(f"{dtype} rows={rows} D={head_dim} k{launch.block_k}"
           f"s{launch.num_stages}: model {model} -> {outcome}", flush=True)
 
@@ -100,14 +105,7 @@ def calibrate():
            (128, 256, "float32", L(16, 4, 1)),
            (64, 256, "float32", L(64, 4, 2))]
   for rows, head_dim, dtype, launch in cases:
-    model = triton_decode.shared_memory(
-        launch, rows=rows, head_dim=head_dim,
-        itemsize=jnp.dtype(dtype).itemsize)
-    try:
-      _decode_once(rows, head_dim, dtype, launch)
-      outcome = "ran"
-    except Exception as e:  # pylint: disable=broad-except
-      outcome = _requested(e)
+    model, outcome = _calibrate_one(rows, head_dim, dtype, launch)
     print(f"decode rows={rows} D={head_dim} {dtype} {launch}: model {model}"
           f" -> {outcome}")
   # Training kernels: oversized user tiles.

@@ -233,14 +233,8 @@ def flash_attention(
       with implementation="cudnn"; the message says which backend lacks
       what), and for higher-order derivatives through kernels.
   """
-  if validation.check_bool(return_residuals, "return_residuals"):
-    warnings.warn(
-        "jflash.flash_attention: return_residuals is deprecated; use "
-        "return_residual=True (jax.nn's keyword), with "
-        "residual_dtype=jnp.float32 for the float32 lse return_residuals "
-        "gave.", DeprecationWarning, stacklevel=2)
-    return_residual = True
-    residual_dtype = jnp.float32 if residual_dtype is None else residual_dtype
+  return_residual, residual_dtype = residual_options(
+      "flash_attention", return_residual, residual_dtype, return_residuals)
   call = describe(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
@@ -274,6 +268,21 @@ def run(call: DescribedCall, implementation: str | None, lse_dtype=None):
   if not spec.return_lse:
     return out
   return out, lse.astype(lse_dtype)
+
+
+def residual_options(function: str, return_residual, residual_dtype,
+                     return_residuals):
+  """(return_residual, residual_dtype) with the deprecated
+  `return_residuals=True` (a float32 lse) mapped onto them, warning once
+  per call site."""
+  if validation.check_bool(return_residuals, "return_residuals"):
+    warnings.warn(
+        f"jflash.{function}: return_residuals is deprecated; use "
+        "return_residual=True (jax.nn's keyword), with "
+        "residual_dtype=jnp.float32 for the float32 lse return_residuals "
+        "gave.", DeprecationWarning, stacklevel=3)
+    return True, jnp.float32 if residual_dtype is None else residual_dtype
+  return return_residual, residual_dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,14 +118,8 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
   query, key_cache, value_cache = (
       jnp.asarray(x) for x in (query, key_cache, value_cache))
   _check(query, key_cache, value_cache, key_value_seq_lengths, block_table)
-  if validation.check_bool(return_residuals, "return_residuals"):
-    warnings.warn(
-        "jflash.decode_attention: return_residuals is deprecated; use "
-        "return_residual=True (jax.nn's keyword), with "
-        "residual_dtype=jnp.float32 for the float32 lse return_residuals "
-        "gave.", DeprecationWarning, stacklevel=2)
-    return_residual = True
-    residual_dtype = jnp.float32 if residual_dtype is None else residual_dtype
+  return_residual, residual_dtype = api.residual_options(
+      "decode_attention", return_residual, residual_dtype, return_residuals)
   if implementation in _RENAMED:
     warnings.warn(
         f"jflash.decode_attention: implementation={implementation!r} is "
