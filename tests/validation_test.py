@@ -99,6 +99,21 @@ class ValidationTest(parameterized.TestCase):
       jflash.flash_attention(q, k, v, implementation="xla",
                              block_sizes=jflash.BlockSizes())
 
+  def test_padding_mask_error_suggests_the_fix(self):
+    # A [B, S] padding mask is not broadcastable to [B, N, T, S]: the error
+    # says how to pass it.
+    q, k, v = _arrays()
+    padding = jnp.arange(24)[None, :] < jnp.array([[20], [9]])
+    with self.assertRaisesRegex(
+        ValueError, r"mask.shape=\(2, 24\).*mask\[:, None, None, :\].*"
+        "key_value_seq_lengths"):
+      self._call(q, k, v, mask=padding)
+    # The suggested mask passes validation (which runs at trace time).
+    out = jax.eval_shape(
+        lambda q, k, v: self._call(q, k, v, mask=padding[:, None, None, :]),
+        q, k, v)
+    self.assertEqual(out.shape, q.shape)
+
   @absltest.skipIf(test_util.ON_GPU, "checks the error raised without a GPU")
   def test_triton_without_gpu_needs_interpret(self):
     # A named backend that cannot run here: NotImplementedError, with the

@@ -204,10 +204,18 @@ def check_dense(operand, name: str, query, key):
   if operand.ndim > 4:
     raise ValueError(f"{name} must have at most 4 dimensions, broadcastable "
                      f"to [B, N, T, S] = {full}; got {shapes}.")
+  given_shape = operand.shape
   operand = operand.reshape((1,) * (4 - operand.ndim) + operand.shape)
   if any(d not in (1, f) for d, f in zip(operand.shape, full)):
+    hint = ""
+    if name == "mask" and given_shape == (batch, full[3]) and query.ndim == 4:
+      # A [B, S] padding mask (jax.nn reads a 2-D mask as [T, S]).
+      hint = (" For a [B, S] padding mask (True = a real key), pass "
+              "mask[:, None, None, :], or the number of real keys per "
+              "example as key_value_seq_lengths (which also skips the padded "
+              "tiles).")
     raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = {full} "
-                     f"(each axis 1 or full); got {shapes}.")
+                     f"(each axis 1 or full); got {shapes}.{hint}")
   if name == "mask" and operand.dtype != jnp.bool_:
     raise ValueError(f"mask must be a boolean array (True = attend); got "
                      f"mask.dtype={operand.dtype}.")
