@@ -16,6 +16,11 @@ from tests import test_base
 from tests import test_util
 
 
+# Jitted: run eagerly, the XLA path compiles each of its operations apart
+# (transforms_test checks eager against jit).
+_step = jax.jit(test_util.value_and_grads, static_argnums=0)
+
+
 class AttentionTest(test_base.BackendTestCase):
 
   def _check(self, seed, *, is_causal=False, lengths=None, tiles=None,
@@ -93,7 +98,7 @@ class AttentionTest(test_base.BackendTestCase):
   def test_query_rows_past_length_are_zero(self):
     q, k, v, dout = test_util.random_inputs(12, batch=1, q_len=50, kv_len=30)
     fn = self.flash(query_seq_lengths=jnp.array([21], jnp.int32))
-    out, dq, _, _ = test_util.value_and_grads(fn, q, k, v, dout)
+    out, dq, _, _ = _step(fn, q, k, v, dout)
     np.testing.assert_array_equal(np.asarray(out[0, 21:]), 0.0)
     np.testing.assert_array_equal(np.asarray(dq[0, 21:]), 0.0)
     self.assertGreater(float(jnp.min(jnp.abs(out[0, :21]).max(-1))), 0.0)
@@ -101,7 +106,7 @@ class AttentionTest(test_base.BackendTestCase):
   def test_scale(self):
     q, k, v, dout = test_util.random_inputs(13, q_len=33, kv_len=47)
     fn = self.flash(scale=0.37, is_causal=True)
-    results = test_util.value_and_grads(fn, q, k, v, dout)
+    results = _step(fn, q, k, v, dout)
     test_util.assert_close_to_jax_nn(self, results, q, k, v, dout,
                                      scale=0.37, is_causal=True)
 
@@ -109,8 +114,8 @@ class AttentionTest(test_base.BackendTestCase):
     q, k, v, dout = test_util.random_inputs(14, batch=1, q_len=33, kv_len=20,
                                             num_heads=4, num_kv_heads=2)
     fn = self.flash(is_causal=True)
-    batched = test_util.value_and_grads(fn, q, k, v, dout)
-    unbatched = test_util.value_and_grads(fn, q[0], k[0], v[0], dout[0])
+    batched = _step(fn, q, k, v, dout)
+    unbatched = _step(fn, q[0], k[0], v[0], dout[0])
     chex.assert_trees_all_close(unbatched, tuple(x[0] for x in batched),
                                 rtol=1e-6, atol=1e-6)
 

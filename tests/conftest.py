@@ -8,12 +8,32 @@ cores, three kernel tests: 22.2 s with optimizations, 13.0 s without. Results
 are unchanged up to rounding, which the tolerance table covers.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
 
 if os.environ.get("JFLASH_TEST_ON_GPU") != "1":
   jax.config.update("jax_disable_most_optimizations", True)
+
+# XLA compilation is ~80% of the CPU time of the kernel test files, and some
+# programs recur (measured on six of them: ~40 s of ~500 s of compilation
+# was the same HLO, source locations aside, compiled again). JAX's
+# compilation cache, keyed by the program without its source locations,
+# compiles each once. It starts empty for every run: a new directory,
+# shared by the xdist workers and the 8-device subprocesses through the
+# environment, removed by the process that made it.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+      prefix="jflash-tests-xla-cache-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"],
+                  ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ["JAX_COMPILATION_CACHE_DIR"])
+# Programs that compile faster than the cache reads them back stay out.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 # Many codebases forbid implicit rank promotion; jflash must work there, so
 # the whole suite runs with it forbidden.

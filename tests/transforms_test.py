@@ -45,7 +45,10 @@ class TransformsTest(test_base.BackendTestCase):
   def test_vmap_of_lengths(self):
     q, k, v, _ = test_util.random_inputs(22, batch=1, q_len=30, kv_len=30)
     kv_lens = jnp.array([[7], [30], [0]], jnp.int32)
-    fn = lambda lengths: self.flash(key_value_seq_lengths=lengths)(q, k, v)
+    # Jitted (the loop below reuses it): run eagerly, the XLA path compiles
+    # each of its operations apart.
+    fn = jax.jit(
+        lambda lengths: self.flash(key_value_seq_lengths=lengths)(q, k, v))
     vmapped = jax.vmap(fn)(kv_lens)
     for i in range(3):
       chex.assert_trees_all_close(vmapped[i], fn(kv_lens[i]), rtol=1e-6,
@@ -76,8 +79,9 @@ class TransformsTest(test_base.BackendTestCase):
     # Plain JAX: grad of grad works, as jax.nn's. HIGHEST: on a GPU the
     # default precision of a float32 einsum is TF32.
     with jax.default_matmul_precision("highest"):
-      ours = jax.grad(grad_norm(self.flash()))(q)
-      expected = jax.grad(grad_norm(jax.nn.dot_product_attention))(q)
+      ours = jax.jit(jax.grad(grad_norm(self.flash())))(q)
+      expected = jax.jit(
+          jax.grad(grad_norm(jax.nn.dot_product_attention)))(q)
     chex.assert_tree_all_finite(ours)
     chex.assert_trees_all_close(ours, expected, rtol=1e-4, atol=1e-4)
 
@@ -89,10 +93,11 @@ class TransformsTest(test_base.BackendTestCase):
         jax.jvp(self.flash(), (q, k, v), (q, k, v))
       return
     # Plain JAX: forward mode works, as jax.nn's (HIGHEST: as above).
+    jvp = jax.jit(lambda fn, *args: jax.jvp(fn, args, args),
+                  static_argnums=0)
     with jax.default_matmul_precision("highest"):
-      ours = jax.jvp(self.flash(), (q, k, v), (q, k, v))
-      expected = jax.jvp(jax.nn.dot_product_attention, (q, k, v),
-                         (q, k, v))
+      ours = jvp(self.flash(), q, k, v)
+      expected = jvp(jax.nn.dot_product_attention, q, k, v)
     chex.assert_tree_all_finite(ours)
     chex.assert_trees_all_close(ours, expected, rtol=1e-5, atol=1e-5)
 
