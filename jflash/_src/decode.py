@@ -23,10 +23,10 @@ MAX_NEW_TOKENS = decode_backend.MAX_NEW_TOKENS
 _RENAMED = {"triton": "decode"}
 
 
-def _check(query, key_cache, value_cache, lengths, block_table):
-  """ValueError for shapes `flash_attention` does not check itself."""
-  validation.check_operands(query, key_cache, value_cache,
-                            same_batch=block_table is None)
+def _check(query, lengths):
+  """ValueError for what `flash_attention` does not check itself (the rank,
+  the token count, the lengths' presence); `api.describe` checks the rest
+  (shapes, dtypes, heads, the block table)."""
   if query.ndim != 4:
     raise ValueError("decode_attention takes query [batch, new_tokens, "
                      f"num_heads, head_dim]; got query.shape={query.shape}.")
@@ -37,9 +37,6 @@ def _check(query, key_cache, value_cache, lengths, block_table):
         f"sequence; got query.shape[1]={num_tokens}. For longer queries "
         "(prefill), use jflash.flash_attention with "
         "causal_alignment='bottom_right' and key_value_seq_lengths.")
-  if block_table is None and key_cache.shape[0] != batch:
-    raise ValueError(f"key_cache.shape[0]={key_cache.shape[0]} must equal "
-                     f"the query's batch {batch}.")
   lengths = jnp.asarray(lengths)
   if (lengths.shape != (batch,)
       or not jnp.issubdtype(lengths.dtype, jnp.integer)):
@@ -117,7 +114,7 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
   """
   query, key_cache, value_cache = (
       jnp.asarray(x) for x in (query, key_cache, value_cache))
-  _check(query, key_cache, value_cache, key_value_seq_lengths, block_table)
+  _check(query, key_value_seq_lengths)
   return_residual, residual_dtype = api.residual_options(
       "decode_attention", return_residual, residual_dtype, return_residuals)
   if implementation in _RENAMED:
