@@ -375,16 +375,18 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
 
 def unsupported_reason(query, key, value, bias=None, mask=None, *,
                        implementation: str, residual_dtype=None,
-                       return_residuals=False, **kwargs) -> str | None:
-  """Why the named backend cannot run this `flash_attention` call (either
-  pass), in one sentence, or None if it can. Arguments as flash_attention;
-  raises ValueError for bad input. (The test suite skips with it.)"""
+                       return_residuals=False, passes=registry.PASSES,
+                       **kwargs) -> str | None:
+  """Why the named backend cannot run this `flash_attention` call (any of
+  `passes`, default both), in one sentence, or None if it can. Arguments as
+  flash_attention; raises ValueError for bad input. (The test suite skips
+  with it.)"""
   del residual_dtype  # Only casts the returned lse.
   if return_residuals:
     kwargs["return_residual"] = True
   call = describe(query, key, value, bias, mask, **kwargs)
   backend = registry.get(implementation)
-  for pass_ in registry.PASSES:
+  for pass_ in passes:
     reason = registry.unsupported_reason(backend, call.spec, pass_,
                                          call.options.given())
     if reason is not None:

@@ -171,6 +171,19 @@ class Backend:
             and others <= self.keywords)
 
 
+def paged_forward_only(name: str):
+  """A `Backend.check` for a backend that reads paged caches in the forward
+  pass only (the cache of a served model is never differentiated)."""
+
+  def check(spec: CallSpec, pass_: str) -> str | None:
+    if spec.mask.paged and pass_ == BACKWARD:
+      return (f"{name} reads a paged cache (block_table) in the forward "
+              "pass only.")
+    return None
+
+  return check
+
+
 _REGISTRY: dict[str, Backend] = {}
 _PRIORITY: list[str] = []
 

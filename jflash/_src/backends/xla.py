@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jflash._src import dropout
 from jflash._src import modifiers
 from jflash._src import numerics
+from jflash._src import paged
 from jflash._src import registry
 from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
@@ -177,35 +178,12 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float,
   return out, lse
 
 
-def _gather_pages(pages, block_table):
-  """[P, page_size, K, H] pages -> each sequence's dense [B, max_pages *
-  page_size, K, H] cache (a copy: the XLA path's way to read pages)."""
-  gathered = pages[block_table]  # [B, max_pages, page_size, K, H].
-  return gathered.reshape(block_table.shape[0], -1, *pages.shape[2:])
-
-
-def dense_keys_values(operands: Operands):
-  """(key, value) as dense [B, S, K, H] arrays: pages gathered; with kv
-  lengths, entries at or past a sequence's length are zeros whatever the
-  cache holds there (a zero probability times a NaN value is still NaN)."""
-  key, value = operands.key, operands.value
-  if operands.block_table is not None:
-    key, value = (_gather_pages(x, operands.block_table)
-                  for x in (key, value))
-  if operands.kv_lengths is not None:
-    written = (jnp.arange(key.shape[1])[None, :]
-               < operands.kv_lengths[:, None])[:, :, None, None]
-    key, value = (jnp.where(written, x, jnp.zeros((), x.dtype))
-                  for x in (key, value))
-  return key, value
-
-
 def direct(spec: CallSpec, config, operands: Operands):
   """The whole call in plain JAX: out, or (out, natural lse [B, T, N])."""
   del config
   q_lens, kv_lens = operands.lengths()
   ids = operands.q_segment_ids
-  key, value = dense_keys_values(operands)
+  key, value = paged.dense_keys_values(operands)
   return attention_reference(
       operands.query, key, value, q_lens, kv_lens,
       scale=spec.scale, is_causal=spec.mask.is_causal,
@@ -334,9 +312,7 @@ BACKEND = registry.Backend(
     # backend runs (with a warning), or when named.
     role=lambda where: (registry.FALLBACK if where == "cuda"
                         else registry.DEFAULT),
-    check=lambda spec, pass_: (
-        "xla reads a paged cache (block_table) in the forward pass only."
-        if spec.mask.paged and pass_ == registry.BACKWARD else None),
+    check=registry.paged_forward_only("xla"),
     limits=("stores the [q_len, kv_len] scores (memory quadratic); paged "
             "caches in the forward pass only"),
     configure=lambda spec: None,

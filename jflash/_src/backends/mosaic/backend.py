@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jflash._src import modifiers
+from jflash._src import paged
 from jflash._src import platform
 from jflash._src import registry
 from jflash._src.backends.mosaic import backward as backward_kernels
@@ -30,7 +31,7 @@ CAPABILITIES = registry.Capabilities(
     dtypes=("bfloat16", "float16"),
     max_head_dim=256,
     mask_features=frozenset({"causal", "bottom_right", "window", "lengths",
-                             "segments"}),
+                             "segments", "paged"}),
     options=frozenset({"soft_cap", "sinks", "return_lse"}),
     platforms=frozenset({"cuda"}),
 )
@@ -47,22 +48,28 @@ def unavailable() -> str | None:
   return None
 
 
+_paged_forward_only = registry.paged_forward_only("mosaic")
+
+
 def check(spec: CallSpec, pass_: str) -> str | None:
   """The kernels' exact head dims; bottom-right positions only with the
-  causal mask (a bottom-right window or ALiBi without it is Triton's)."""
-  del pass_
+  causal mask (a bottom-right window or ALiBi without it is Triton's); a
+  paged cache in the forward pass only."""
   if spec.head_dim not in HEAD_DIMS:
     return (f"mosaic supports head_dim in {{{', '.join(map(str, HEAD_DIMS))}"
             f"}}; got head_dim={spec.head_dim}.")
   if spec.mask.bottom_right and not spec.mask.is_causal:
     return ("mosaic supports causal_alignment='bottom_right' only with "
             "is_causal=True.")
-  return None
+  return _paged_forward_only(spec, pass_)
 
 
 def forward(spec: CallSpec, config: MosaicConfig, operands: Operands):
-  """(out, lse2): the warp-specialized forward kernel."""
-  return forward_kernels.forward_call(operands, spec=spec,
+  """(out, lse2): the warp-specialized forward kernel. Its TMA loads read
+  dense tiles: a paged cache is gathered into a dense one first
+  (paged.py)."""
+  return forward_kernels.forward_call(paged.dense_operands(operands),
+                                      spec=spec,
                                       block_sizes=config.block_sizes)
 
 
@@ -99,7 +106,7 @@ BACKEND = registry.Backend(
     check=check,
     limits=(f"head dims {', '.join(map(str, HEAD_DIMS))}; compute "
             f"capability {COMPUTE_CAPABILITY} (Hopper); bottom_right only "
-            "when causal"),
+            "when causal; paged caches gathered, in the forward pass only"),
     unavailable=unavailable,
     tuning=tuning.SPACE,
 )

@@ -27,7 +27,7 @@ CAPABILITIES = registry.Capabilities(
     passes=frozenset(registry.PASSES),
     dtypes=("float32", "bfloat16", "float16"),
     max_head_dim=256,
-    mask_features=frozenset(registry.MASK_FEATURES) - {"paged"},
+    mask_features=frozenset(registry.MASK_FEATURES),
     options=frozenset(registry.OPTIONS),
     platforms=frozenset({"cuda"}),
     interpretable=True,
@@ -83,5 +83,7 @@ BACKEND = registry.Backend(
     configure=TritonConfig.for_call,
     forward=forward,
     backward=backward,
+    check=registry.paged_forward_only("triton"),
+    limits="paged caches in the forward pass only",
     tuning=tuning.SPACE,
 )

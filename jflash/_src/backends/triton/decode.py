@@ -161,35 +161,10 @@ def _dense_tile(ref, k_start, *, block_k: int, head_dim: int, batch,
 
 def _paged_tile(ref, k_start, *, block_k: int, head_dim: int, batch,
                 table_ref, kv_len):
-  """The same rows of a paged cache: ref [P, page_size, H_p] of one kv
-  head, table_ref [B, max_pages] (page ids, not checked).
-
-  When block_k divides the page size a tile lies in one page: one page id
-  and a contiguous load. Otherwise (small pages) the tile gathers its rows
-  from the pages they lie in. Either way rows past the sequence's length
-  are not read (their table entries may not name a page yet, and the rest
-  of the last page may hold anything) and come in as zeros.
-  """
-  page_size, head_dim_p = ref.shape[1], ref.shape[-1]
-  columns = jnp.arange(head_dim_p, dtype=jnp.int32) < head_dim
-  max_pages = table_ref.shape[1]
-  rows = k_start + jnp.arange(block_k, dtype=jnp.int32)
-  # (A length past the table's pages reads no further than its last page.)
-  valid = rows < jnp.minimum(kv_len, max_pages * page_size)
-  if page_size % block_k == 0:
-    slot = jnp.minimum(lax.div(k_start, page_size), max_pages - 1)
-    page = plgpu.load(table_ref.at[batch, slot])
-    idx = (page, pl.ds(lax.rem(k_start, page_size), block_k), slice(None))
-    return plgpu.load(ref.at[idx], other=0.0,
-                      mask=valid[:, None] & columns[None, :])
-  slots = jnp.minimum(lax.div(rows, page_size), max_pages - 1)
-  pages = plgpu.load(table_ref.at[batch, slots], mask=valid, other=0)
-  # Integer indices in every dimension (a gather; the interpreter takes no
-  # mix of slices and index arrays).
-  lanes = jnp.arange(head_dim_p, dtype=jnp.int32)[None, :]
-  return plgpu.load(
-      ref.at[pages[:, None], lax.rem(rows, page_size)[:, None], lanes],
-      other=0.0, mask=valid[:, None] & columns[None, :])
+  """The same rows of a paged cache (`tiles.load_paged_tile`)."""
+  return tiles.load_paged_tile(ref, k_start, block_k, head_dim=head_dim,
+                               table_ref=table_ref, batch=batch,
+                               seq_len=kv_len)
 
 
 def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,

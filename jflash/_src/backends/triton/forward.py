@@ -59,6 +59,10 @@ def forward_kernel(
   head_mods = kernel_inputs.load_head_modifiers(
       mods, refs, head=lambda: pl.program_id(head_axis(q_tile_axis)))
   q_seq, kv_seq = refs.q.shape[0], refs.k.shape[0]
+  if refs.block_table is not None:  # Pages [num_pages, page_size, H_p].
+    kv_seq = refs.block_table.shape[1] * refs.k.shape[1]
+    # Read here: the interpreter discharges program ids outside loops only.
+    batch_index = pl.program_id(1)
   q_tile_index = query_tile_index(mask, q_tile_axis, q_seq, block_q)
   q_len, kv_len = kernel_inputs.load_lengths(
       mask, refs.q_lengths, refs.kv_lengths, q_seq, kv_seq)
@@ -78,12 +82,20 @@ def forward_kernel(
   def step(k_tile_index, carry, *, needs_mask: bool):
     acc, row_max, row_sum = carry
     k_start = k_tile_index * block_k
-    # Fully visible tiles lie below kv_len <= kv_seq: no row mask on the loads.
-    seq_len = kv_seq if needs_mask else None
-    k = tiles.load_tile(refs.k, k_start, block_k, seq_len=seq_len,
-                        head_dim=head_dim)
-    v = tiles.load_tile(refs.v, k_start, block_k, seq_len=seq_len,
-                        head_dim=head_dim)
+    if refs.block_table is None:
+      # Fully visible tiles lie below kv_len <= kv_seq: no row mask on the
+      # loads.
+      seq_len = kv_seq if needs_mask else None
+      k = tiles.load_tile(refs.k, k_start, block_k, seq_len=seq_len,
+                          head_dim=head_dim)
+      v = tiles.load_tile(refs.v, k_start, block_k, seq_len=seq_len,
+                          head_dim=head_dim)
+    else:
+      # Rows past kv_len are never read: their pages may not exist yet.
+      k, v = (tiles.load_paged_tile(
+          ref, k_start, block_k, head_dim=head_dim,
+          table_ref=refs.block_table, batch=batch_index,
+          seq_len=kv_len) for ref in (refs.k, refs.v))
     bias = None
     if refs.bias is not None:
       bias = dense.load_bias(refs.bias, q_start, block_q, k_start, block_k)
@@ -211,8 +223,12 @@ def query_tile_inputs(operands: Operands, mods: ModifierSpec, *,
   head_dim_p = tiles.head_dim_padded(head_dim)
   q_spec = pl.BlockSpec((None, q_seq, None, head_dim_p),
                         order(lambda i, b, h: (b, 0, h, 0)))
-  kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
-                         order(lambda i, b, h: (b, 0, h // group, 0)))
+  if operands.block_table is None:
+    kv_spec = pl.BlockSpec((None, kv_seq, None, head_dim_p),
+                           order(lambda i, b, h: (b, 0, h // group, 0)))
+  else:  # Each program: every page of its kv head, [P, page_size, H_p].
+    kv_spec = pl.BlockSpec((*k.shape[:2], None, head_dim_p),
+                           order(lambda i, b, h: (0, 0, h // group, 0)))
   stats_spec = pl.BlockSpec((None, None, q_seq),
                             order(lambda i, b, h: (b, h, 0)))
   lengths_spec = pl.BlockSpec((batch,), order(lambda i, b, h: (0,)))
@@ -227,6 +243,11 @@ def query_tile_inputs(operands: Operands, mods: ModifierSpec, *,
       operands, mods, block_q=block_q, block_k=block_k, own_axis="q",
       dense_spec=lambda x: dense.block_spec(x, batch, order=order),
       order=order)
+  if operands.block_table is not None:
+    table = operands.block_table
+    arrays["block_table"] = table
+    specs["block_table"] = pl.BlockSpec(table.shape,
+                                        order(lambda i, b, h: (0, 0)))
   return (KernelInputs(**arrays, **optional_arrays),
           KernelInputs(**specs, **optional_specs))
 
@@ -252,7 +273,7 @@ def forward_call(operands: Operands, *, spec: CallSpec,
   """
   q = operands.query
   batch, q_seq, num_heads, head_dim = q.shape
-  kv_seq = operands.key.shape[1]
+  kv_seq = operands.kv_seq
   block_q = config.block_sizes.block_q
   block_k = config.block_sizes.block_k
   grid, order, q_tile_axis = query_tile_grid(

@@ -51,6 +51,9 @@ class KernelInputs:
     dropout_seed0, dropout_seed1: uint32 [batch, num_heads] (two arrays: a
       scalar load at a constant trailing index does not discharge in the
       interpreter).
+    block_table: int32 [batch, max_pages], a paged cache's page ids (the
+      forward kernel); k and v are then pages [num_pages, page_size,
+      num_kv_heads, head_dim] (refs: one kv head's pages).
   """
 
   q: Any
@@ -71,6 +74,7 @@ class KernelInputs:
   alibi_slopes: Any = None
   dropout_seed0: Any = None
   dropout_seed1: Any = None
+  block_table: Any = None
 
   def modifier_refs(self) -> list[Any]:
     """The modifier operands present, in field order."""

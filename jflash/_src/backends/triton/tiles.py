@@ -62,6 +62,48 @@ def load_tile(ref, start, size: int, *, seq_len: int | None, head_dim: int,
   return plgpu.load(ref.at[idx], mask=mask, other=0.0)
 
 
+def load_paged_tile(ref, start, size: int, *, head_dim: int, table_ref,
+                    batch, seq_len):
+  """Loads rows [start, start + size) of one sequence from a paged cache.
+
+  Args:
+    ref: one kv head's pages, [num_pages, page_size, head_dim_p].
+    start: first row (traced int32), a position in the sequence.
+    size: number of rows (static).
+    head_dim: the true head dimension; padding columns read as 0.
+    table_ref: int32 [batch, max_pages], the page ids of each sequence
+      (not checked: an id out of range is undefined behaviour).
+    batch: the sequence's row of `table_ref`.
+    seq_len: the sequence's length (traced or static): rows at or past it
+      are not read (their table entries may not name a page yet, and the
+      rest of the last page may hold anything) and come in as zeros.
+
+  When `size` divides the page size a tile lies in one page: one page id
+  and a contiguous load. Otherwise (small pages) the tile gathers its rows
+  from the pages they lie in.
+  """
+  page_size, head_dim_p = ref.shape[1], ref.shape[-1]
+  columns = jnp.arange(head_dim_p, dtype=jnp.int32) < head_dim
+  max_pages = table_ref.shape[1]
+  rows = start + jnp.arange(size, dtype=jnp.int32)
+  # (A length past the table's pages reads no further than its last page.)
+  valid = rows < jnp.minimum(seq_len, max_pages * page_size)
+  if page_size % size == 0:
+    slot = jnp.minimum(lax.div(start, page_size), max_pages - 1)
+    page = plgpu.load(table_ref.at[batch, slot])
+    idx = (page, pl.ds(lax.rem(start, page_size), size), slice(None))
+    return plgpu.load(ref.at[idx], other=0.0,
+                      mask=valid[:, None] & columns[None, :])
+  slots = jnp.minimum(lax.div(rows, page_size), max_pages - 1)
+  pages = plgpu.load(table_ref.at[batch, slots], mask=valid, other=0)
+  # Integer indices in every dimension (a gather; the interpreter takes no
+  # mix of slices and index arrays).
+  lanes = jnp.arange(head_dim_p, dtype=jnp.int32)[None, :]
+  return plgpu.load(
+      ref.at[pages[:, None], lax.rem(rows, page_size)[:, None], lanes],
+      other=0.0, mask=valid[:, None] & columns[None, :])
+
+
 def store_tile(ref, start, value, *, seq_len: int, head_dim: int,
                group_index=None):
   """Stores a [size, head_dim_p] tile at rows [start, start + size)."""
