@@ -1,0 +1,159 @@
+"""Measures decode-shaped calls on every backend that can run them, for the
+route that `flash_attention` takes by default (issue 23).
+
+Usage (repo root, GPU machine):
+  PYTHONPATH=. python3 benchmarks/decode_route.py --grid route --out DIR
+  PYTHONPATH=. python3 benchmarks/decode_route.py --grid issue --out DIR
+
+Each case is T new tokens per sequence (bf16), bottom-right causal with kv
+lengths drawn in [S/2, S], timed with `implementation=` "decode" (the
+split-K kernel), "mosaic" (Hopper) and "triton" (the training kernels),
+None (the registry's choice) and cuDNN (`jax.nn.dot_product_attention`,
+not causal, with the kv lengths: the same bytes read at T=1). Timing is
+interleaved: every implementation is compiled first, then timed in rounds
+(each round all of them, in a rotating order), and each gets the median of
+its round medians, so drifts of the GPU's clock hit all alike.
+
+Writes DIR/decode_route_<grid>.json (one record per case: µs per
+implementation) and prints a table with the ratio of the default to the
+fastest jflash backend and to cuDNN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from jflash._src import platform
+
+# (B, S, query heads, kv heads, head dim, T).
+ISSUE_CASES = (
+    (128, 1024, 32, 8, 128, 1), (256, 512, 32, 8, 128, 1),
+    (64, 1024, 32, 8, 128, 1), (128, 2048, 32, 8, 128, 1),
+    (32, 1024, 32, 32, 128, 1), (16, 4096, 16, 8, 256, 1),
+    (8, 8192, 8, 1, 256, 1), (1, 32768, 32, 8, 128, 1),
+    (64, 2048, 32, 32, 128, 1), (1, 32768, 32, 8, 128, 4),
+)
+# Where the decode kernel and the training kernels are close: few packed
+# rows per kv head (MHA, small groups), short to mid caches.
+ROUTE_CASES = tuple(
+    (batch, kv_seq, heads, kv_heads, 128, tokens)
+    for (heads, kv_heads), batch, kv_seq, tokens in itertools.product(
+        ((32, 32), (32, 8)), (4, 32, 128), (512, 2048, 8192), (1, 4))
+    if batch * kv_seq <= 128 * 8192
+) + ((8, 4096, 16, 16, 64, 1), (32, 2048, 16, 16, 64, 1),
+     (8, 4096, 16, 16, 256, 1), (32, 2048, 16, 16, 256, 1),
+     (32, 2048, 8, 1, 128, 1), (8, 8192, 8, 1, 128, 4))
+GRIDS = {"issue": ISSUE_CASES, "route": ROUTE_CASES}
+
+
+def inputs(case, rng):
+  batch, kv_seq, heads, kv_heads, head_dim, tokens = case
+  q = jnp.asarray(rng.standard_normal((batch, tokens, heads, head_dim)),
+                  jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((batch, kv_seq, kv_heads,
+                                           head_dim)), jnp.bfloat16)
+          for _ in range(2))
+  lengths = jnp.asarray(rng.integers(kv_seq // 2, kv_seq + 1, batch),
+                        jnp.int32)
+  return q, k, v, lengths
+
+
+def implementations():
+  names = [None, "decode", "triton"]
+  if platform.cuda_compute_capability() == "9.0":
+    names.append("mosaic")
+  impls = {}
+  for name in names:
+    impls[name or "default"] = jax.jit(
+        lambda q, k, v, lengths, name=name: jflash.flash_attention(
+            q, k, v, is_causal=True, causal_alignment="bottom_right",
+            key_value_seq_lengths=lengths, implementation=name))
+  impls["cudnn"] = jax.jit(
+      lambda q, k, v, lengths: jax.nn.dot_product_attention(
+          q, k, v, key_value_seq_lengths=lengths, implementation="cudnn"))
+  return impls
+
+
+def time_interleaved(impls, args, rounds: int, iters: int):
+  """{name: median over rounds of the per-call seconds}; names whose
+  compilation fails map to the error's text."""
+  results, ready = {}, {}
+  for name, fn in impls.items():
+    try:
+      jax.block_until_ready(fn(*args))
+      jax.block_until_ready(fn(*args))
+      ready[name] = fn
+    except Exception as e:  # pylint: disable=broad-except
+      results[name] = f"{type(e).__name__}: {str(e)[:100]}"
+  samples = {name: [] for name in ready}
+  names = list(ready)
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      fn = ready[name]
+      start = time.perf_counter()
+      for _ in range(iters):
+        out = fn(*args)
+      jax.block_until_ready(out)
+      samples[name].append((time.perf_counter() - start) / iters)
+  results.update({name: statistics.median(s) for name, s in samples.items()})
+  return results
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--grid", choices=sorted(GRIDS), default="route")
+  parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+  parser.add_argument("--rounds", type=int, default=7)
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--limit", type=int, default=None,
+                      help="only the first N cases (a smoke run)")
+  args = parser.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  rng = np.random.default_rng(0)
+  impls = implementations()
+  records = []
+  print(f"{platform.device_kind()}, jax {jax.__version__}; µs per call; "
+        "default / best jflash backend, cuDNN / default (> 1: faster)")
+  cases = GRIDS[args.grid][:args.limit]
+  for case in cases:
+    times = time_interleaved(impls, inputs(case, rng), args.rounds,
+                             args.iters)
+    record = dict(zip(("batch", "kv_seq", "num_heads", "num_kv_heads",
+                       "head_dim", "tokens"), case))
+    record["us"] = {name: (t * 1e6 if isinstance(t, float) else t)
+                    for name, t in times.items()}
+    records.append(record)
+    us = record["us"]
+    jflash_times = {n: t for n, t in us.items()
+                    if n in ("decode", "triton", "mosaic")
+                    and isinstance(t, float)}
+    default = us.get("default")
+    cells = " ".join(f"{n} {t:.1f}" if isinstance(t, float) else f"{n} err"
+                     for n, t in us.items())
+    ratio = ""
+    if jflash_times and isinstance(default, float):
+      best = min(jflash_times, key=jflash_times.get)
+      ratio = f"default/best {default / jflash_times[best]:.3f} ({best})"
+      if isinstance(us.get("cudnn"), float):
+        ratio += f", cudnn/default {us['cudnn'] / default:.3f}"
+    print(f"B={case[0]} S={case[1]} {case[2]}/{case[3]} D={case[4]} "
+          f"T={case[5]}: {cells}; {ratio}", flush=True)
+  path = os.path.join(args.out, f"decode_route_{args.grid}.json")
+  with open(path, "w") as f:
+    json.dump(dict(device=platform.device_kind(), jax=jax.__version__,
+                   records=records), f, indent=1)
+  print("wrote", path)
+
+
+if __name__ == "__main__":
+  main()
