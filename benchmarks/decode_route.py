@@ -148,10 +148,11 @@ def main():
         ratio += f", cudnn/default {us['cudnn'] / default:.3f}"
     print(f"B={case[0]} S={case[1]} {case[2]}/{case[3]} D={case[4]} "
           f"T={case[5]}: {cells}; {ratio}", flush=True)
-  path = os.path.join(args.out, f"decode_route_{args.grid}.json")
-  with open(path, "w") as f:
-    json.dump(dict(device=platform.device_kind(), jax=jax.__version__,
-                   records=records), f, indent=1)
+    # Written after every case: a run cut short keeps what it measured.
+    path = os.path.join(args.out, f"decode_route_{args.grid}.json")
+    with open(path, "w") as f:
+      json.dump(dict(device=platform.device_kind(), jax=jax.__version__,
+                     records=records), f, indent=1)
   print("wrote", path)
 
 
