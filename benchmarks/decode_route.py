@@ -53,16 +53,32 @@ ROUTE_CASES = tuple(
 ) + ((8, 4096, 16, 16, 64, 1), (32, 2048, 16, 16, 64, 1),
      (8, 4096, 16, 16, 256, 1), (32, 2048, 16, 16, 256, 1),
      (32, 2048, 8, 1, 128, 1), (8, 8192, 8, 1, 128, 4))
-GRIDS = {"issue": ISSUE_CASES, "route": ROUTE_CASES}
+# The rest of the route's space after the MHA rows of ROUTE_CASES: GQA
+# groups of 4 and 2 at small and mid batches, head dims 64 and 256, MQA,
+# and 16 new tokens on an MHA cache.
+ROUTE_MORE_CASES = tuple(
+    (batch, kv_seq, 32, 8, 128, tokens)
+    for batch, kv_seq, tokens in itertools.product(
+        (4, 32), (512, 2048, 8192), (1, 4))
+) + tuple(
+    (batch, kv_seq, 16, 8, 128, 1)
+    for batch, kv_seq in itertools.product((4, 32), (512, 2048))
+) + ((4, 2048, 16, 16, 64, 1), (32, 2048, 16, 16, 64, 1),
+     (4, 2048, 16, 16, 256, 1), (32, 2048, 16, 16, 256, 1),
+     (32, 2048, 8, 1, 128, 1), (32, 2048, 32, 32, 128, 16))
+GRIDS = {"issue": ISSUE_CASES, "route": ROUTE_CASES,
+         "route_more": ROUTE_MORE_CASES}
 
 
 def inputs(case, rng):
+  """Random bf16 inputs drawn on the device (host draws of the large
+  caches took longer than timing them), kv lengths in [S/2, S]."""
   batch, kv_seq, heads, kv_heads, head_dim, tokens = case
-  q = jnp.asarray(rng.standard_normal((batch, tokens, heads, head_dim)),
-                  jnp.bfloat16)
-  k, v = (jnp.asarray(rng.standard_normal((batch, kv_seq, kv_heads,
-                                           head_dim)), jnp.bfloat16)
-          for _ in range(2))
+  keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+  q = jax.random.normal(keys[0], (batch, tokens, heads, head_dim),
+                        jnp.bfloat16)
+  k, v = (jax.random.normal(key, (batch, kv_seq, kv_heads, head_dim),
+                            jnp.bfloat16) for key in keys[1:])
   lengths = jnp.asarray(rng.integers(kv_seq // 2, kv_seq + 1, batch),
                         jnp.int32)
   return q, k, v, lengths
