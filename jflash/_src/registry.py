@@ -30,6 +30,7 @@ import jax
 from jflash._src import platform
 from jflash._src.spec import BackendOptions
 from jflash._src.spec import CallSpec
+from jflash._src.tuning import route
 from jflash._src.tuning.space import TuningSpace
 
 _PLATFORM_NAMES = {"cuda": "a CUDA GPU"}
@@ -341,9 +342,15 @@ def plan(spec: CallSpec, implementation: str | None,
         continue
       chosen[pass_] = candidates[0]
       continue
-    chosen[pass_], reasons = _first_supporting(
-        [b for b in candidates if _is_default_here(b)], spec, pass_,
-        given)
+    defaults = [b for b in candidates if _is_default_here(b)]
+    chosen[pass_], reasons = _first_supporting(defaults, spec, pass_, given)
+    if chosen[pass_] is not None and pass_ == FORWARD:
+      # Where the priority order was measured not to be the fastest.
+      preferred = route.preferred(spec, [
+          b.name for b in defaults
+          if unsupported_reason(b, spec, pass_, given) is None])
+      if preferred is not None:
+        chosen[pass_] = get(preferred)
     if chosen[pass_] is None:
       chosen[pass_], more = _first_supporting(
           [b for b in candidates if _is_fallback_here(b)], spec, pass_,
