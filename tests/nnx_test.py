@@ -54,11 +54,13 @@ class NnxTest(parameterized.TestCase):
 
   def _assert_same_outputs_and_grads(self, stock, ours, call_stock, call_ours,
                                      tol=2e-5):
-    out_stock, out_ours = call_stock(stock), nnx.jit(call_ours)(ours)
+    # The stock module jitted too: op by op, its gradient alone costs ~3 s
+    # of CPU (each primitive compiled on its own), jitted ~0.8 s.
+    out_stock, out_ours = nnx.jit(call_stock)(stock), nnx.jit(call_ours)(ours)
     chex.assert_trees_all_close(out_ours, out_stock, rtol=tol, atol=tol)
     cotangent = jax.random.normal(jax.random.key(9), out_stock.shape)
     loss = lambda call: lambda m: jnp.sum(call(m) * cotangent)
-    grads_stock = nnx.grad(loss(call_stock))(stock)
+    grads_stock = nnx.jit(nnx.grad(loss(call_stock)))(stock)
     grads_ours = nnx.jit(nnx.grad(loss(call_ours)))(ours)
     chex.assert_trees_all_close(nnx.state(grads_ours), nnx.state(grads_stock),
                                 rtol=tol, atol=tol)
