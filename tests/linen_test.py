@@ -11,12 +11,23 @@ import jflash.linen
 from tests import test_util
 
 
+# The backend options of the modules under test. The kernels have their own
+# tests, per backend (tests/test_base.py targets); these test the module
+# around them (parameters, masks, the decode cache, transforms), which hands
+# every backend the same call. On a GPU every test runs the compiled
+# kernels. On CPU the kernels run in the Pallas interpreter, ~2 s of
+# compilation per call (fwd + bwd): there the tests that pass KERNELS (a
+# parity case, the decode steps) run them end to end, the others jflash's
+# plain-JAX path.
+KERNELS = dict(interpret=test_util.INTERPRET)
+WIRING = KERNELS if test_util.ON_GPU else dict(implementation="xla")
+
+
 def _inputs(seed, batch=2, length=24, features=32):
   return jax.random.normal(jax.random.key(seed), (batch, length, features))
 
 
 class LinenTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
 
   def setUp(self):
     super().setUp()
@@ -24,9 +35,10 @@ class LinenTest(parameterized.TestCase):
     # relative); jflash's float32 kernels are IEEE fp32. Compare both exact.
     self.enter_context(jax.default_matmul_precision("highest"))
 
-  def _ours(self, **kwargs):
-    return jflash.linen.FlashMultiHeadDotProductAttention(
-        interpret=self.INTERPRET, **kwargs)
+  def _ours(self, backend=WIRING, **kwargs):
+    """A jflash module on `backend` (KERNELS or WIRING)."""
+    return jflash.linen.FlashMultiHeadDotProductAttention(**backend,
+                                                           **kwargs)
 
   def _assert_same(self, call_stock, call_ours, variables, tol=2e-5):
     """Outputs and parameter gradients agree for the same variables."""
@@ -35,18 +47,20 @@ class LinenTest(parameterized.TestCase):
                                 rtol=tol, atol=tol)
     loss = lambda call: lambda v: jnp.sum(jnp.sin(call(v)))
     chex.assert_trees_all_close(jax.jit(jax.grad(loss(call_ours)))(variables),
-                                jax.grad(loss(call_stock))(variables),
+                                jax.jit(jax.grad(loss(call_stock)))(variables),
                                 rtol=tol, atol=tol)
 
   @parameterized.named_parameters(
-      ("self_attention", {}, False),
-      ("causal_normalize_qk", dict(normalize_qk=True), True),
-      ("cross_attention", dict(out_features=8, qkv_features=64), False),
+      ("self_attention", {}, False, WIRING),
+      # The interpreted kernels end to end on CPU.
+      ("causal_normalize_qk_kernels", dict(normalize_qk=True), True, KERNELS),
+      ("cross_attention", dict(out_features=8, qkv_features=64), False,
+       WIRING),
   )
-  def test_parity_with_stock_module(self, kwargs, is_causal):
+  def test_parity_with_stock_module(self, kwargs, is_causal, backend):
     kwargs = dict(num_heads=4) | kwargs
     stock, ours = nn.MultiHeadDotProductAttention(**kwargs), self._ours(
-        **kwargs)
+        backend, **kwargs)
     x = _inputs(1)
     context = _inputs(2, length=17) if "out_features" in kwargs else x
     variables = stock.init(jax.random.key(0), x, context)
@@ -74,8 +88,7 @@ class LinenTest(parameterized.TestCase):
   def test_attention_fn_in_stock_module(self):
     stock = nn.MultiHeadDotProductAttention(num_heads=4)
     plugged = nn.MultiHeadDotProductAttention(
-        num_heads=4, attention_fn=jflash.linen.attention_fn(
-            interpret=self.INTERPRET))
+        num_heads=4, attention_fn=jflash.linen.attention_fn(**WIRING))
     x = _inputs(3)
     variables = stock.init(jax.random.key(0), x)
     self._assert_same(lambda v: stock.apply(v, x),
@@ -91,8 +104,9 @@ class LinenTest(parameterized.TestCase):
     self.assertGreater(float(jnp.max(jnp.abs(unmasked - masked))), 1e-2)
 
   def test_decode_matches_full_causal_attention(self):
+    # The interpreted kernels end to end on CPU (the decode steps').
     stock = nn.MultiHeadDotProductAttention(num_heads=4)
-    ours = self._ours(num_heads=4, decode=True)
+    ours = self._ours(KERNELS, num_heads=4, decode=True)
     x = _inputs(4, length=10)
     params = stock.init(jax.random.key(0), x)["params"]
     cache = ours.init(jax.random.key(0), x)["cache"]

@@ -14,6 +14,17 @@ from tests import test_util
 
 FEATURES = 32
 
+# The backend options of the modules under test. The kernels have their own
+# tests, per backend (tests/test_base.py targets); these test the modules
+# around them (parameters, masks, the decode cache, transforms), which hand
+# every backend the same call. On a GPU every test runs the compiled
+# kernels. On CPU the kernels run in the Pallas interpreter, ~2 s of
+# compilation per call (fwd + bwd): there the tests that pass KERNELS (a
+# parity case, the decode steps) run them end to end, the others jflash's
+# plain-JAX path.
+KERNELS = dict(interpret=test_util.INTERPRET)
+WIRING = KERNELS if test_util.ON_GPU else dict(implementation="xla")
+
 
 def _inputs(seed, batch=2, length=24, features=FEATURES, dtype=jnp.float32):
   return jax.random.normal(jax.random.key(seed), (batch, length, features),
@@ -21,7 +32,6 @@ def _inputs(seed, batch=2, length=24, features=FEATURES, dtype=jnp.float32):
 
 
 class NnxTest(parameterized.TestCase):
-  INTERPRET = test_util.INTERPRET
 
   def setUp(self):
     super().setUp()
@@ -29,12 +39,13 @@ class NnxTest(parameterized.TestCase):
     # relative); jflash's float32 kernels are IEEE fp32. Compare both exact.
     self.enter_context(jax.default_matmul_precision("highest"))
 
-  def _pair(self, **kwargs):
-    """A stock module and a jflash module holding the same parameters."""
+  def _pair(self, backend=WIRING, **kwargs):
+    """A stock module and a jflash module (on `backend`: KERNELS or
+    WIRING) holding the same parameters."""
     kwargs = dict(num_heads=4, in_features=FEATURES, decode=False) | kwargs
     stock = nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))
-    ours = jflash.nnx.FlashMultiHeadAttention(
-        **kwargs, interpret=self.INTERPRET, rngs=nnx.Rngs(1))
+    ours = jflash.nnx.FlashMultiHeadAttention(**kwargs, **backend,
+                                              rngs=nnx.Rngs(1))
     self.assertEqual(
         jax.tree.structure(nnx.state(stock, nnx.Param)),
         jax.tree.structure(nnx.state(ours, nnx.Param)))
@@ -43,27 +54,30 @@ class NnxTest(parameterized.TestCase):
 
   def _assert_same_outputs_and_grads(self, stock, ours, call_stock, call_ours,
                                      tol=2e-5):
-    out_stock, out_ours = call_stock(stock), nnx.jit(call_ours)(ours)
+    # The stock module jitted too: op by op, its gradient alone costs ~3 s
+    # of CPU (each primitive compiled on its own), jitted ~0.8 s.
+    out_stock, out_ours = nnx.jit(call_stock)(stock), nnx.jit(call_ours)(ours)
     chex.assert_trees_all_close(out_ours, out_stock, rtol=tol, atol=tol)
     cotangent = jax.random.normal(jax.random.key(9), out_stock.shape)
     loss = lambda call: lambda m: jnp.sum(call(m) * cotangent)
-    grads_stock = nnx.grad(loss(call_stock))(stock)
+    grads_stock = nnx.jit(nnx.grad(loss(call_stock)))(stock)
     grads_ours = nnx.jit(nnx.grad(loss(call_ours)))(ours)
     chex.assert_trees_all_close(nnx.state(grads_ours), nnx.state(grads_stock),
                                 rtol=tol, atol=tol)
 
   @parameterized.named_parameters(
-      ("mha", {}, False, False),
-      ("mha_causal", {}, True, False),
-      ("gqa_causal", dict(num_kv_heads=2), True, False),
-      ("mqa", dict(num_kv_heads=1, qkv_features=64), False, False),
+      ("mha", {}, False, False, WIRING),
+      ("mha_causal", {}, True, False, WIRING),
+      # The interpreted kernels end to end on CPU.
+      ("gqa_causal_kernels", dict(num_kv_heads=2), True, False, KERNELS),
+      ("mqa", dict(num_kv_heads=1, qkv_features=64), False, False, WIRING),
       ("normalize_qk_no_bias", dict(normalize_qk=True, use_bias=False), True,
-       False),
+       False, WIRING),
       ("cross_attention", dict(in_kv_features=16, out_features=8), False,
-       True),
+       True, WIRING),
   )
-  def test_parity_with_stock_module(self, kwargs, is_causal, cross):
-    stock, ours = self._pair(**kwargs)
+  def test_parity_with_stock_module(self, kwargs, is_causal, cross, backend):
+    stock, ours = self._pair(backend, **kwargs)
     x = _inputs(1)
     context = _inputs(2, length=17, features=16) if cross else None
     call = lambda m: m(x, context, is_causal=is_causal)
@@ -106,7 +120,8 @@ class NnxTest(parameterized.TestCase):
   def test_dense_mask_matches_stock_module(self):
     # A random mask per (batch, head) that leaves every row a visible key
     # (rows without one differ by design: jflash gives 0, Flax the mean).
-    stock, ours = self._pair(num_kv_heads=2)
+    # The interpreted kernels end to end on CPU: their dense-mask tiles.
+    stock, ours = self._pair(KERNELS, num_kv_heads=2)
     x = _inputs(14)
     mask = jax.random.bernoulli(jax.random.key(15), 0.7, (2, 4, 24, 24))
     mask = mask.at[..., 0].set(True)
@@ -119,7 +134,7 @@ class NnxTest(parameterized.TestCase):
                                    rngs=nnx.Rngs(0))
     plugged = nnx.MultiHeadAttention(
         num_heads=4, in_features=FEATURES, num_kv_heads=2, decode=False,
-        attention_fn=jflash.nnx.attention_fn(interpret=self.INTERPRET),
+        attention_fn=jflash.nnx.attention_fn(**WIRING),
         rngs=nnx.Rngs(0))
     call = lambda m: m(_inputs(4), is_causal=True)
     self._assert_same_outputs_and_grads(stock, plugged, call, call)
@@ -139,8 +154,9 @@ class NnxTest(parameterized.TestCase):
   def test_decode_steps_run_on_the_decode_kernel(self):
     # implementation=None sends a decode step to the split-K decode kernel
     # (here from any cache length: its 2048-key threshold lowered), with the
-    # same results as full causal attention.
-    _, ours = self._pair(num_kv_heads=2)
+    # same results as full causal attention (the kernels'). The interpreted
+    # kernels end to end on CPU.
+    _, ours = self._pair(KERNELS, num_kv_heads=2)
     x = _inputs(6, length=12)
     full = nnx.jit(lambda m, x: m(x, is_causal=True))(ours, x)
     ours.init_cache(x.shape)
@@ -200,7 +216,7 @@ class NnxTest(parameterized.TestCase):
     _, ours = self._pair()
     capped = jflash.nnx.FlashMultiHeadAttention(
         num_heads=4, in_features=FEATURES, decode=False, logits_soft_cap=0.5,
-        interpret=self.INTERPRET, rngs=nnx.Rngs(1))
+        **WIRING, rngs=nnx.Rngs(1))
     nnx.update(capped, nnx.state(ours, nnx.Param))
     x = _inputs(13)
     q, k, v = ours.query(x), ours.key(x), ours.value(x)
@@ -217,8 +233,7 @@ class NnxTest(parameterized.TestCase):
     _, ours = self._pair(num_kv_heads=2)
     windowed = jflash.nnx.FlashMultiHeadAttention(
         num_heads=4, in_features=FEATURES, num_kv_heads=2, decode=False,
-        local_window_size=(3, 0), interpret=self.INTERPRET,
-        rngs=nnx.Rngs(1))
+        local_window_size=(3, 0), **WIRING, rngs=nnx.Rngs(1))
     nnx.update(windowed, nnx.state(ours, nnx.Param))
     x = _inputs(14, length=10)
     full = nnx.jit(lambda m, x: m(x, is_causal=True))(windowed, x)
@@ -255,7 +270,7 @@ class NnxTest(parameterized.TestCase):
     stock, _ = self._pair()
     plugged = nnx.MultiHeadAttention(
         num_heads=4, in_features=FEATURES, decode=False,
-        attention_fn=jflash.nnx.attention_fn(interpret=self.INTERPRET),
+        attention_fn=jflash.nnx.attention_fn(**WIRING),
         rngs=nnx.Rngs(0))
     nnx.update(plugged, nnx.state(stock, nnx.Param))
     x = _inputs(12)

@@ -265,8 +265,10 @@ class OneDeviceMeshTest(test_base.BackendTestCase):
       results = jax.jit(fn)(*sharded)
     self.assertEqual(test_util.kernel_jaxprs(on_mesh),
                      test_util.kernel_jaxprs(plain))
-    chex.assert_trees_all_close(results, jax.jit(fn)(q, k, v), atol=1e-6,
-                                rtol=1e-6)
+    # The call off the mesh, computed once for both mesh kinds.
+    expected = _unsharded(fn, (q, k, v),
+                          key=(self.implementation, "one device, plain"))
+    chex.assert_trees_all_close(results, expected, atol=1e-6, rtol=1e-6)
 
   @parameterized.parameters(False, True)
   def test_inside_a_user_shard_map_of_one_device(self, check_vma):
@@ -276,8 +278,10 @@ class OneDeviceMeshTest(test_base.BackendTestCase):
                          devices=jax.devices()[:1])
     fn = lambda q, k, v, bias: self.flash(is_causal=True)(q, k, v, bias)
     args = (q, k, v, bias)
-    expected = jax.jit(functools.partial(test_util.value_and_all_grads, fn,
-                                         dout))(*args)
+    # Off the mesh, computed once for both check_vma cases.
+    expected = _unsharded(
+        functools.partial(test_util.value_and_all_grads, fn, dout), args,
+        key=(self.implementation, "one device, user shard_map"))
     spec = P("data")
     inner = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, P()),
                           out_specs=spec, check_vma=check_vma)
