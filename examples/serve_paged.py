@@ -200,7 +200,7 @@ def serve(requests: list[Request], step_fns, cache, params, *, config,
           paged: bool):
   """Runs the request stream to completion; fills in each request's tokens,
   logits and timings. Returns (engine steps, seconds from the first step
-  to the last token)."""
+  to the last token, free pages at the end or None for a dense cache)."""
   slots: list[Request | None] = [None] * config["slots"]
   page_size, chunk = config["page_size"], config["chunk"]
   max_pages = config["max_pages"]
@@ -264,7 +264,8 @@ def serve(requests: list[Request], step_fns, cache, params, *, config,
           if paged:
             allocator.release(request)
     step += 1
-  return step, time.perf_counter() - start
+  return (step, time.perf_counter() - start,
+          len(allocator.free) if paged else None)
 
 
 def make_requests(rng, config) -> list[Request]:
@@ -350,10 +351,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for timed in (False, True):
       requests = [dataclasses.replace(r, generated=[], logits=[], pages=[],
                                       token_times=[]) for r in template]
-      steps, seconds = serve(requests, step_fns, caches[name], params,
-                             config=config, paged=name == "paged")
+      steps, seconds, free_pages = serve(
+          requests, step_fns, caches[name], params, config=config,
+          paged=name == "paged")
     stats = summary(requests, seconds)
-    results[name] = dict(requests=requests, steps=steps, **stats)
+    results[name] = dict(requests=requests, steps=steps,
+                         free_pages=free_pages, **stats)
     print(f"{name} cache: {stats['tokens_per_s']:,.1f} generated tokens/s, "
           f"time to first token {stats['ttft_ms']:.1f} ms, time per output "
           f"token {stats['tpot_ms']:.1f} ms (medians; {steps} engine "
@@ -370,8 +373,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           results["paged"]["requests"], results["dense"]["requests"]))
   results["relative_error"] = error
   results["same_tokens"] = same_tokens
+  results["pages"] = (results["paged"]["free_pages"],
+                      config["num_pages"] - 1)
   print(f"paged vs dense cache: max |logits difference| / max |logits| = "
-        f"{error:.2e}; same tokens: {same_tokens}")
+        f"{error:.2e}; same tokens: {same_tokens}; pages free at the end: "
+        f"{results['pages'][0]} of {results['pages'][1]}")
   return results
 
 
