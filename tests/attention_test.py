@@ -36,29 +36,53 @@ class AttentionTest(test_base.BackendTestCase):
     test_util.assert_close_to_jax_nn(self, results, q, k, v, dout, **kwargs)
     return results
 
-  @parameterized.product(
-      dtype=("float32", "bfloat16", "float16"), is_causal=(False, True))
+  # On CPU each dtype once and each causality at least once: the mask code
+  # does not depend on the dtype (the interpreter runs the same lines), the
+  # other tests run causal and non-causal float32 and bfloat16 again.
+  @parameterized.parameters(*test_util.sweep(
+      [dict(dtype=dtype, is_causal=is_causal)
+       for dtype in ("float32", "bfloat16", "float16")
+       for is_causal in (False, True)],
+      cpu_cases=[dict(dtype="float32", is_causal=True),
+                 dict(dtype="bfloat16", is_causal=False),
+                 dict(dtype="float16", is_causal=True)]))
   def test_dtypes(self, dtype, is_causal):
     self._check(0, dtype=dtype, is_causal=is_causal, q_len=80, kv_len=80)
 
-  @parameterized.named_parameters(
-      ("len1", 1, 1), ("len17", 17, 17), ("len100", 100, 100),
-      ("len257", 257, 257), ("q_shorter", 17, 100), ("q_longer", 100, 33),
-      ("q1_kv257", 1, 257))
+  # On CPU (16/32-row tiles, SMALL_BLOCKS): one partial tile on both axes
+  # (len1); several tiles with partial last tiles, q shorter than kv
+  # (q_shorter: 17 = 16 + 1 query rows, 100 = 3 * 32 + 4 keys) and q longer
+  # than kv (q_longer). len17, len100, len257 and q1_kv257 cross the same
+  # tile edges in the same interpreted lines; compiled on a GPU each length
+  # is its own code, so they run there.
+  @parameterized.named_parameters(*test_util.sweep(
+      [("len1", 1, 1), ("len17", 17, 17), ("len100", 100, 100),
+       ("len257", 257, 257), ("q_shorter", 17, 100), ("q_longer", 100, 33),
+       ("q1_kv257", 1, 257)],
+      cpu_cases=[("len1", 1, 1), ("q_shorter", 17, 100),
+                 ("q_longer", 100, 33)]))
   def test_sequence_lengths(self, q_len, kv_len):
     for is_causal in (False, True):
       with self.subTest(is_causal=is_causal):
         self._check(q_len + kv_len, q_len=q_len, kv_len=kv_len, batch=1,
                     is_causal=is_causal, dtype="bfloat16")
 
-  @parameterized.parameters(32, 64, 80, 96, 128, 192, 256)
+  # On CPU one head dim padded to the next power of two (80 -> 128: the
+  # padding columns masked on every load and store) and one not (128);
+  # the interpreter runs the other widths through the same lines.
+  @parameterized.parameters(*test_util.sweep(
+      (32, 64, 80, 96, 128, 192, 256), cpu_cases=(80, 128)))
   def test_head_dims(self, head_dim):
     self._check(head_dim, head_dim=head_dim, q_len=48, kv_len=40, batch=1,
                 is_causal=True, dtype="bfloat16")
 
-  @parameterized.named_parameters(
-      ("gqa_8_2", 8, 2, False), ("gqa_8_2_causal", 8, 2, True),
-      ("mqa_4_1", 4, 1, False), ("mqa_4_1_causal", 4, 1, True))
+  # Both have groups of 4 query heads per kv head: on CPU one of each
+  # causality runs the same lines as the other two.
+  @parameterized.named_parameters(*test_util.sweep(
+      [("gqa_8_2", 8, 2, False), ("gqa_8_2_causal", 8, 2, True),
+       ("mqa_4_1", 4, 1, False), ("mqa_4_1_causal", 4, 1, True)],
+      cpu_cases=[("gqa_8_2", 8, 2, False),
+                 ("mqa_4_1_causal", 4, 1, True)]))
   def test_grouped_query_attention(self, num_heads, num_kv_heads, is_causal):
     self._check(num_heads, num_heads=num_heads, num_kv_heads=num_kv_heads,
                 q_len=40, kv_len=72, batch=1, is_causal=is_causal,

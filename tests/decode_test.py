@@ -85,10 +85,15 @@ class DecodeTest(parameterized.TestCase):
         decode_backend, "DEFAULT_LAUNCH", decode_backend.DecodeLaunch(block_k=16)))
 
   def _check(self, options, q, k, v, lengths, **kwargs):
-    out, lse = jflash.decode_attention(q, k, v, lengths,
-                                       return_residual=True,
-                                       residual_dtype=jnp.float32, **options,
-                                       **kwargs)
+    # Jitted: run eagerly, each operation of the call compiles apart.
+    out, lse = jax.jit(lambda q, k, v, lengths: jflash.decode_attention(
+        q, k, v, lengths, return_residual=True, residual_dtype=jnp.float32,
+        **options, **kwargs))(q, k, v, lengths)
+    return self._check_results(out, lse, q, k, v, lengths, **kwargs)
+
+  def _check_results(self, out, lse, q, k, v, lengths, **kwargs):
+    """out and lse of decode_attention(q, k, v, lengths, **kwargs) against
+    the float64 reference."""
     names = dict(is_causal="is_causal", local_window_size="window",
                  logits_soft_cap="soft_cap", sinks="sinks",
                  alibi_slopes="slopes")
@@ -108,9 +113,14 @@ class DecodeTest(parameterized.TestCase):
                                atol=tolerance, rtol=tolerance)
     return out, lse
 
+  # (tokens, heads, kv heads). On CPU: one token without a GQA group (1
+  # packed row, padded to a 16-row tile) and 5 tokens x a group of 8 (40
+  # rows, padded to 64); the interpreter packs and masks the other shapes'
+  # rows through the same lines.
   @parameterized.product(
       implementation=IMPLEMENTATIONS,
-      shape=((1, 4, 4), (2, 8, 2), (5, 8, 1), (16, 2, 2)),
+      shape=test_util.sweep(((1, 4, 4), (2, 8, 2), (5, 8, 1), (16, 2, 2)),
+                            cpu_cases=((1, 4, 4), (5, 8, 1))),
       is_causal=(True, False))
   def test_tokens_groups_and_causality(self, implementation, shape,
                                        is_causal):
@@ -134,8 +144,16 @@ class DecodeTest(parameterized.TestCase):
       with self.subTest(**{k: str(v)[:20] for k, v in kwargs.items()}):
         self._check(options, q, k, v, lengths, **kwargs)
 
-  @parameterized.product(implementation=IMPLEMENTATIONS,
-                         page_size=(16, 48, 64), num_tokens=(1, 5))
+  # Pages of one 16-key tile (16) and of several (48, 64). On CPU: pages of
+  # 16 with 5 tokens and pages of 48 with 1; the interpreter gathers pages
+  # of 64 through the same lines as pages of 48.
+  @parameterized.parameters(*[
+      dict(implementation=implementation, page_size=page_size,
+           num_tokens=num_tokens)
+      for implementation in IMPLEMENTATIONS
+      for page_size, num_tokens in test_util.sweep(
+          ((16, 1), (16, 5), (48, 1), (48, 5), (64, 1), (64, 5)),
+          cpu_cases=((16, 5), (48, 1)))])
   def test_paged_cache_equals_the_dense_one(self, implementation, page_size,
                                             num_tokens):
     # The dense caches cut into pages, stored in a shuffled order with
@@ -213,12 +231,14 @@ class DecodeTest(parameterized.TestCase):
     lengths = jnp.array([96, 40, 0], jnp.int32)
     results = [jflash.decode_attention(
         q, k, v, lengths, implementation="decode",
-        interpret=test_util.INTERPRET, num_splits=splits)
+        interpret=test_util.INTERPRET, num_splits=splits,
+        return_residual=True, residual_dtype=jnp.float32)
                for splits in (1, 2, 7, 6)]  # 6: one 16-key tile each.
     for result in results[1:]:
-      np.testing.assert_allclose(result, results[0], atol=2e-6, rtol=2e-6)
-    self._check(dict(implementation="decode", interpret=test_util.INTERPRET,
-                     num_splits=7), q, k, v, lengths)
+      np.testing.assert_allclose(result[0], results[0][0], atol=2e-6,
+                                 rtol=2e-6)
+    # The 7 splits' call (computed above) against the reference.
+    self._check_results(*results[2], q, k, v, lengths)
 
   def test_bfloat16_cache(self):
     q, k, v = _inputs(4, dtype="bfloat16", num_tokens=1, num_heads=8,
@@ -411,7 +431,9 @@ class FlashAttentionDecodeBackendTest(parameterized.TestCase):
         lse = jnp.where(jnp.isinf(lse), 0.0, lse)
         return (jnp.sum(out * cotangents) + jnp.sum(lse * lse_cotangent),
                 (out, lse))
-      return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+      # Jitted: run eagerly, each operation compiles apart.
+      return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
+          q, k, v)
 
     with test_util.decode_kernel_spy() as kernel_calls:
       grads, (out, lse) = value_and_grads(None,

@@ -32,6 +32,24 @@ SMALL_BLOCKS = jflash.BlockSizes(
     block_k_dq=32)
 
 
+def sweep(cases, cpu_cases):
+  """`cases` on a GPU, `cpu_cases` (a subset of them) elsewhere.
+
+  Compiled on a GPU, every head dim or sequence length of a sweep gives
+  different Triton / Mosaic code, so the GPU suite runs all of them. In the
+  Pallas interpreter the kernels run the same Python lines for, e.g., head
+  dims 64 and 128, and each case costs seconds of XLA compilation: the CPU
+  suite runs the subset that still reaches every distinct edge (padded and
+  unpadded head dims, partial last tiles, one tile and several, q shorter and
+  longer than kv, ...). Each call site says why its subset covers the rest.
+  """
+  cases, cpu_cases = tuple(cases), tuple(cpu_cases)
+  missing = [c for c in cpu_cases if c not in cases]
+  if missing:
+    raise ValueError(f"CPU cases {missing} are not in the sweep {cases}")
+  return cases if ON_GPU else cpu_cases
+
+
 @contextlib.contextmanager
 def decode_kernel_spy():
   """A spy on the "decode" backend's kernel (implementation=None chooses
