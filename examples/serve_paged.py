@@ -200,12 +200,14 @@ def serve(requests: list[Request], step_fns, cache, params, *, config,
           paged: bool):
   """Runs the request stream to completion; fills in each request's tokens,
   logits and timings. Returns (engine steps, seconds from the first step
-  to the last token, free pages at the end or None for a dense cache)."""
+  to the last token, free pages at the end or None for a dense cache,
+  {phase: seconds of each of its calls, results on the host})."""
   slots: list[Request | None] = [None] * config["slots"]
   page_size, chunk = config["page_size"], config["chunk"]
   max_pages = config["max_pages"]
   allocator = PageAllocator(config["num_pages"]) if paged else None
   waiting = sorted(requests, key=lambda r: r.arrival_step)
+  phase_seconds = {"prefill": [], "decode": []}
   step, start = 0, time.perf_counter()
   while waiting or any(s is not None for s in slots):
     now = time.perf_counter()
@@ -243,6 +245,7 @@ def serve(requests: list[Request], step_fns, cache, params, *, config,
         members.append((b, request, prefilling))
       if not members:
         continue
+      call_start = time.perf_counter()
       logits, cache = step_fns[phase](
           params, cache, jnp.asarray(tokens), jnp.asarray(starts),
           jnp.asarray(counts), jnp.asarray(table))
@@ -251,6 +254,7 @@ def serve(requests: list[Request], step_fns, cache, params, *, config,
                                                                  0)],
                         np.float32)
       now = time.perf_counter()
+      phase_seconds[phase].append(now - call_start)
       for b, request, prefilling in members:
         if prefilling:
           request.prefilled += int(counts[b])
@@ -265,7 +269,7 @@ def serve(requests: list[Request], step_fns, cache, params, *, config,
             allocator.release(request)
     step += 1
   return (step, time.perf_counter() - start,
-          len(allocator.free) if paged else None)
+          len(allocator.free) if paged else None, phase_seconds)
 
 
 def make_requests(rng, config) -> list[Request]:
@@ -354,16 +358,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for _ in ("warm-up", "timed"):
       requests = [dataclasses.replace(r, generated=[], logits=[], pages=[],
                                       token_times=[]) for r in template]
-      steps, seconds, free_pages = serve(
+      steps, seconds, free_pages, phase_seconds = serve(
           requests, step_fns, jax.tree.map(jnp.zeros_like, caches[name]),
           params, config=config, paged=name == "paged")
     stats = summary(requests, seconds)
+    for phase, times in phase_seconds.items():
+      stats[f"{phase}_call_ms"] = 1e3 * statistics.median(times)
     results[name] = dict(requests=requests, steps=steps,
                          free_pages=free_pages, **stats)
     print(f"{name} cache: {stats['tokens_per_s']:,.1f} generated tokens/s, "
           f"time to first token {stats['ttft_ms']:.1f} ms, time per output "
           f"token {stats['tpot_ms']:.1f} ms (medians; {steps} engine "
-          "steps)")
+          f"steps; a prefill call {stats['prefill_call_ms']:.1f} ms, a "
+          f"decode call {stats['decode_call_ms']:.1f} ms)")
   # Every generated token's logits, paged against dense.
   paged_logits = np.concatenate([np.stack(r.logits)
                                  for r in results["paged"]["requests"]])
