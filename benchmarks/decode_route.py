@@ -8,7 +8,7 @@ Usage (repo root, GPU machine):
 Each case is T new tokens per sequence (bf16), bottom-right causal with kv
 lengths drawn in [S/2, S], timed with `implementation=` "decode" (the
 split-K kernel), "mosaic" (Hopper) and "triton" (the training kernels),
-None (the registry's choice) and cuDNN (`jax.nn.dot_product_attention`,
+"xla" (jflash's plain-JAX path), None (the registry's choice) and cuDNN (`jax.nn.dot_product_attention`,
 not causal, with the kv lengths: the same bytes read at T=1). Timing is
 interleaved: every implementation is compiled first, then timed in rounds
 (each round all of them, in a rotating order), and each gets the median of
@@ -88,6 +88,7 @@ def implementations():
   names = [None, "decode", "triton"]
   if platform.cuda_compute_capability() == "9.0":
     names.append("mosaic")
+  names.append("xla")
   impls = {}
   for name in names:
     impls[name or "default"] = jax.jit(
