@@ -8,8 +8,9 @@ Usage (repo root, GPU machine):
 Each case is T new tokens per sequence (bf16), bottom-right causal with kv
 lengths drawn in [S/2, S], timed with `implementation=` "decode" (the
 split-K kernel), "mosaic" (Hopper) and "triton" (the training kernels),
-"xla" (jflash's plain-JAX path), None (the registry's choice) and cuDNN (`jax.nn.dot_product_attention`,
-not causal, with the kv lengths: the same bytes read at T=1). Timing is
+"xla" (jflash's plain-JAX path), None (the registry's choice) and cuDNN
+(`jax.nn.dot_product_attention`, not causal, with the kv lengths: the
+same bytes read at T=1). Timing is
 interleaved: every implementation is compiled first, then timed in rounds
 (each round all of them, in a rotating order), and each gets the median of
 its round medians, so drifts of the GPU's clock hit all alike.
