@@ -79,8 +79,8 @@ class CombinationsTest(test_base.BackendTestCase):
 
   # On CPU float32 only: the interpreter runs the same lines in either
   # dtype, and dropout_test runs dropout with every modifier in bfloat16.
-  @parameterized.parameters(test_util.sweep(("float32", "bfloat16"),
-                                            ("float32",)))
+  @parameterized.parameters(list(test_util.sweep(("float32", "bfloat16"),
+                                                 ("float32",))))
   def test_masks_and_modifiers_together(self, dtype):
     self.require_independent_reference()
     self._check(

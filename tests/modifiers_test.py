@@ -39,10 +39,10 @@ class ModifiersTest(test_base.BackendTestCase):
   # On CPU one case: the cap's lines depend on neither the dtype nor the
   # causality, and test_bottom_right_with_lengths_and_soft_cap runs a cap
   # in float32 (both kernels' cap lines, forward and backward).
-  @parameterized.parameters(test_util.sweep(
+  @parameterized.parameters(list(test_util.sweep(
       [dict(dtype=dtype, is_causal=is_causal)
        for dtype in ("float32", "bfloat16") for is_causal in (False, True)],
-      cpu_cases=[dict(dtype="bfloat16", is_causal=True)]))
+      cpu_cases=[dict(dtype="bfloat16", is_causal=True)])))
   def test_soft_cap(self, dtype, is_causal):
     self.require_independent_reference()
     # A small cap with large logits: the tanh saturates for many entries.
