@@ -68,7 +68,7 @@ class AlibiTest(test_base.BackendTestCase):
                      key_value_seq_lengths=jnp.array([17, kv_len]))
     bias = _alibi_bias(slopes, q_len, kv_len)
     fn = self.flash(alibi_slopes=slopes, **options)
-    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+    results = test_util.STEP(
         fn, q, k, v, dout)
     test_util.assert_close_to_jax_nn(
         self, results, q, k, v, dout,
@@ -85,7 +85,7 @@ class AlibiTest(test_base.BackendTestCase):
         alibi_slopes=slopes, logits_soft_cap=4.0, is_causal=True,
         causal_alignment="bottom_right", query_seq_lengths=q_lens,
         key_value_seq_lengths=kv_lens)
-    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+    results = test_util.STEP(
         fn, q, k, v, dout)
     test_util.assert_close_to_function(self, results, reference, (q, k, v),
                                        dout, ("out", "dq", "dk", "dv"))

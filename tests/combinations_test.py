@@ -67,16 +67,20 @@ class CombinationsTest(test_base.BackendTestCase):
     q, k, v, dout = test_util.random_inputs(
         120, q_len=Q_LEN, kv_len=KV_LEN, num_heads=HEADS,
         num_kv_heads=KV_HEADS, dtype=dtype)
-    # A new function per call: jit must trace again (see the launch order
-    # test, which patches a module constant read at trace time).
+    # Every caller passes array options, so self.flash gives a new function
+    # per call: jit must trace again (see the launch order test, which
+    # patches a module constant read at trace time).
     fn = self.flash(**options)
-    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+    results = test_util.STEP(
         fn, q, k, v, dout)
     test_util.assert_close_to_reference(self, results, q, k, v, dout,
                                         **options)
     return results
 
-  @parameterized.parameters("float32", "bfloat16")
+  # On CPU float32 only: the interpreter runs the same lines in either
+  # dtype, and dropout_test runs dropout with every modifier in bfloat16.
+  @parameterized.parameters(list(test_util.sweep(("float32", "bfloat16"),
+                                                 ("float32",))))
   def test_masks_and_modifiers_together(self, dtype):
     self.require_independent_reference()
     self._check(
@@ -129,7 +133,7 @@ class CombinationsTest(test_base.BackendTestCase):
                                             num_heads=HEADS)
     bias = jax.random.normal(jax.random.key(125), (8, 8))
     fn = self.flash(**options)
-    results = jax.jit(test_util.value_and_all_grads, static_argnums=0)(
+    results = test_util.ALL_GRADS_STEP(
         fn, dout, q, k, v, bias)
     test_util.assert_close_to_function(
         self, results, functools.partial(_biased_attention, **options),

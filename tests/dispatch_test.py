@@ -37,7 +37,7 @@ class DispatchTest(absltest.TestCase):
     fn = lambda q, k, v: jflash.flash_attention(
         q, k, v, is_causal=True, implementation="xla", **lengths)
     # Jitted: run eagerly, each operation compiles apart.
-    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+    results = test_util.STEP(
         fn, q, k, v, dout)
     test_util.assert_close_to_jax_nn(self, results, q, k, v, dout,
                                      is_causal=True, **lengths)
@@ -47,7 +47,7 @@ class DispatchTest(absltest.TestCase):
     fn = lambda q, k, v: jflash.flash_attention(
         q, k, v, implementation="xla",
         key_value_seq_lengths=jnp.array([0, 8], jnp.int32))
-    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+    results = test_util.STEP(
         fn, q, k, v, dout)
     for x in results:
       np.testing.assert_array_equal(np.asarray(x[0]), 0.0)

@@ -61,7 +61,7 @@ class DropoutTest(test_base.BackendTestCase):
     q = jnp.zeros_like(eye)
     key = jax.random.key(100)
     fn = self.flash(dropout_rate=rate, dropout_rng=key)
-    out, dq, dk, dv = jax.jit(test_util.value_and_grads, static_argnums=0)(
+    out, dq, dk, dv = test_util.STEP(
         fn, q, eye, eye, eye)
     chex.assert_tree_all_finite((out, dq, dk, dv))
     scale = length * (1.0 - rate)
@@ -95,7 +95,7 @@ class DropoutTest(test_base.BackendTestCase):
     options = dict(options, dropout_rate=0.25,
                    dropout_rng=jax.random.key(103))
     fn = self.flash(**options)
-    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+    results = test_util.STEP(
         fn, q, k, v, dout)
     test_util.assert_close_to_reference(self, results, q, k, v, dout,
                                         **options)

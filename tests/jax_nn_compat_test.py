@@ -75,17 +75,21 @@ class JaxNnCompatTest(test_base.BackendTestCase):
   def _same_as_jax_nn(self, q, k, v, dout, *args, **kwargs):
     """Forward and q/k/v gradients of the same call vs jax.nn's."""
     fn = lambda q, k, v: self.flash(**kwargs)(q, k, v, *args)
-    results = jax.jit(test_util.value_and_grads, static_argnums=0)(
+    results = test_util.STEP(
         fn, q, k, v, dout)
     if args:  # Positional bias / mask: bind them for jax.nn too.
       kwargs = dict(kwargs, **dict(zip(("bias", "mask"), args)))
     test_util.assert_close_to_jax_nn(self, results, q, k, v, dout, **kwargs)
 
-  # On CPU "plain" and "causal" are left out: attention_test runs the same
-  # calls against jax.nn (the interpreter's lines do not depend on these
-  # shapes), and "scale" runs the plain call's lines with a scale.
+  # On CPU only "window_int_causal" runs: the others pass the same keywords
+  # to the same interpreted lines as tests that check them against jax.nn
+  # already (the interpreter's lines do not depend on these shapes):
+  # "plain" and "causal" as attention_test's, "lengths" (query and key
+  # lengths, causal) as attention_test.test_sequence_length_masks, "window"
+  # (a tuple window, not causal) as window_test's zero_window, and "scale"
+  # as attention_test.test_scale. An int window is taken here only.
   @parameterized.named_parameters(*test_util.sweep(
-      _KEYWORD_CASES, cpu_cases=_KEYWORD_CASES[2:]))
+      _KEYWORD_CASES, cpu_cases=[_KEYWORD_CASES[4]]))
   def test_keywords(self, kwargs):
     q, k, v, dout = test_util.random_inputs(
         160, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K,
@@ -125,7 +129,9 @@ class JaxNnCompatTest(test_base.BackendTestCase):
     # jax.nn's lse has a zero gradient; jflash's is the true one: checked
     # against a float32 formulation. The cotangents have jax.nn's dtypes,
     # as code written for jax.nn passes them.
-    for dtype in ("float32", "bfloat16"):
+    # On CPU bfloat16 only: its cotangents are cast where float32's are
+    # already the residuals' dtype, through the same interpreted lines.
+    for dtype in test_util.sweep(("float32", "bfloat16"), ("bfloat16",)):
       with self.subTest(dtype=dtype):
         q, k, v, dout = test_util.random_inputs(
             164, batch=B, q_len=T, kv_len=T, num_heads=N, num_kv_heads=K,
@@ -170,7 +176,7 @@ class JaxNnCompatTest(test_base.BackendTestCase):
       q, k, v, dout = test_util.random_inputs(
           166, batch=B, q_len=T, kv_len=T, num_heads=N, num_kv_heads=K,
           head_dim=H, dtype="float64")
-      step = jax.jit(test_util.value_and_grads, static_argnums=0)
+      step = test_util.STEP
       results = step(self.flash(is_causal=True), q, k, v, dout)
       exact = lambda q, k, v: _exact_attention_with_lse(
           q, k, v, is_causal=True, dtype=jnp.float64)[0]

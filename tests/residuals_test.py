@@ -18,24 +18,31 @@ from tests import test_util
 from tests import tolerances
 
 
+_LSE_CASES = (
+    ("plain", {}), ("causal_gqa", dict(is_causal=True)),
+    ("soft_cap_lengths", dict(
+        logits_soft_cap=3.0,
+        query_seq_lengths=jnp.array([40, 7], jnp.int32),
+        key_value_seq_lengths=jnp.array([0, 19], jnp.int32))))
+
+
 class ResidualsTest(test_base.BackendTestCase):
 
   def _flash(self, **kwargs):
     return self.flash(return_residual=True, residual_dtype=jnp.float32,
                       **kwargs)
 
-  @parameterized.named_parameters(
-      ("plain", {}), ("causal_gqa", dict(is_causal=True)),
-      ("soft_cap_lengths", dict(
-          logits_soft_cap=3.0,
-          query_seq_lengths=jnp.array([40, 7], jnp.int32),
-          key_value_seq_lengths=jnp.array([0, 19], jnp.int32))))
+  # On CPU "plain" is left out: its lse lines, forward and backward, run
+  # in causal_gqa, and the non-causal mask's in soft_cap_lengths (same
+  # shapes; the interpreter runs the same lines).
+  @parameterized.named_parameters(*test_util.sweep(
+      _LSE_CASES, cpu_cases=_LSE_CASES[1:]))
   def test_lse_and_its_gradient_match_the_reference(self, kwargs):
     q, k, v, dout = test_util.random_inputs(60, q_len=40, kv_len=56,
                                             num_heads=4, num_kv_heads=2)
     dlse = jax.random.normal(jax.random.key(61), q.shape[:3])
 
-    results = jax.jit(test_util.value_and_all_grads, static_argnums=0)
+    results = test_util.ALL_GRADS_STEP
     ours = results(self._flash(**kwargs), (dout, dlse), q, k, v)
     reference = functools.partial(
         jflash.flash_attention, implementation="xla", return_residual=True,
@@ -84,9 +91,9 @@ class ResidualsTest(test_base.BackendTestCase):
     # Full attention with the backend's default tiles.
     full = self.flash(block_sizes=None)
     chex.assert_trees_all_close(
-        jax.jit(test_util.value_and_grads, static_argnums=0)(
+        test_util.STEP(
             merged, q, k, v, dout),
-        jax.jit(test_util.value_and_grads, static_argnums=0)(
+        test_util.STEP(
             full, q, k, v, dout), rtol=tolerances.direct(q.dtype),
         atol=tolerances.direct(q.dtype))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+import unittest
 from unittest import mock
 
 from absl.testing import parameterized
@@ -66,6 +67,50 @@ if test_util.ON_GPU:
   # to 128.
   TARGETS += (Target("mosaic", input_dtype="bfloat16",
                      head_dims=(64, 128, 256), tile_rows=128),)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundFlash:
+  """`jflash.flash_attention` with keyword arguments bound, compared by value.
+
+  Two tests that build the same program (same target, options and input
+  shapes) share one trace and one compilation through jit's in-memory cache
+  when their functions are equal. Tracing the same program twice gives
+  lowered modules whose private function names differ (`@_where_6` vs
+  `@_where`), which JAX's persistent compilation cache does not recognize:
+  each retrace compiled in full.
+
+  Attributes:
+    bound: the keyword arguments, as (name, value) pairs.
+    key: their hash, computed once.
+  """
+
+  bound: tuple[tuple[str, Any], ...]
+  key: int = dataclasses.field(init=False, compare=False)
+
+  def __post_init__(self):
+    # Raises TypeError for an unhashable value (the caller's fallback).
+    object.__setattr__(self, "key", hash(self._typed()))
+
+  def _typed(self):
+    # Values compare with their types: 1 and 1.0 (or True) stay apart.
+    return tuple((name, type(value), value) for name, value in self.bound)
+
+  def __hash__(self):
+    return self.key
+
+  def __eq__(self, other):
+    return (isinstance(other, BoundFlash) and self.key == other.key
+            and self._typed() == other._typed())
+
+  def __call__(self, *args, **more):
+    bound = dict(self.bound)
+    reason = api.unsupported_reason(*args, **bound, **more)
+    if reason is not None:
+      # unittest.SkipTest is what TestCase.skipTest raises; the function
+      # holds no test, since equal functions are shared between tests.
+      raise unittest.SkipTest(f"{bound['implementation']}: {reason}")
+    return jflash.flash_attention(*args, **bound, **more)
 
 
 class BackendTestCase(parameterized.TestCase):
@@ -121,9 +166,20 @@ class BackendTestCase(parameterized.TestCase):
     The returned function skips the test (with the registry's reason) when
     the target cannot run the call, checked on its arguments before it
     runs. `kwargs` may override the target's options (e.g. block_sizes).
+
+    For hashable options it is a `BoundFlash`, equal (and hash-equal) to
+    any other for the same target and options: passed as a static argument
+    of a jitted step (`test_util.STEP`), the same program is traced and
+    compiled once per process, not once per test (a retrace misses JAX's
+    persistent compilation cache, see BoundFlash). An option that is an
+    array (lengths, slopes, keys) gives a fresh closure instead.
     """
     bound = {"implementation": self.implementation, **self.options,
              **kwargs}
+    try:
+      return BoundFlash(tuple(bound.items()))
+    except TypeError:  # An unhashable option (an array): a fresh closure.
+      pass
 
     def call(*args, **more):
       reason = api.unsupported_reason(*args, **bound, **more)

@@ -124,6 +124,12 @@ def value_and_all_grads(fn, dout, *args):
   return (*(out if isinstance(out, tuple) else (out,)), *grads)
 
 
+# The jitted steps of the kernel tests, one per process: `fn` is static, and
+# equal functions (test_base.BoundFlash) reuse one trace and compilation.
+STEP = jax.jit(value_and_grads, static_argnums=0)
+ALL_GRADS_STEP = jax.jit(value_and_all_grads, static_argnums=0)
+
+
 def _fingerprint(*trees) -> str:
   """A digest of arrays and plain values (the key of `_memoized`)."""
   digest = hashlib.sha256()
