@@ -352,10 +352,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"vocab {len(VOCAB)}; {split:,} train / {len(ids) - split:,} "
         "validation")
 
-  model = GPT(vocab_size=len(VOCAB), max_len=args.seq_len, dim=args.dim,
-              layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-              attention=args.attention, interpret=args.interpret,
-              rngs=nnx.Rngs(args.seed))
+  # Built under jit: one compiled program draws every parameter (op by op,
+  # each initializer would compile on its own). The values are the same.
+  model = nnx.jit(lambda: GPT(
+      vocab_size=len(VOCAB), max_len=args.seq_len, dim=args.dim,
+      layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+      attention=args.attention, interpret=args.interpret,
+      rngs=nnx.Rngs(args.seed)))()
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model,
                                                               nnx.Param)))
   print(f"model: {num_params:,} parameters")

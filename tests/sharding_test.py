@@ -6,10 +6,11 @@ subprocess with JFLASH_TEST_CPU_DEVICES=8 (conftest.py) and fails with its
 output if any case fails. In the suite's process the per-backend cases skip,
 saying so; in the subprocess they run.
 
-Each case compares forward and gradients with the unsharded call, checks that
-outputs and gradients keep the inputs' sharding, and that the compiled HLO
-gathers none of q, k, v (an all-gather of a replicated bias's gradient is
-expected: the user's bias is replicated, its gradient must be too).
+Each case compares forward and gradients with the unsharded call (on the
+xla backend, shared by all backends' cases), checks that outputs and
+gradients keep the inputs' sharding, and that the compiled HLO gathers none
+of q, k, v (an all-gather of a replicated bias's gradient is expected: the
+user's bias is replicated, its gradient must be too).
 """
 
 import contextlib
@@ -26,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+import jflash
 from jflash._src import sharding
 from tests import test_base
 from tests import test_util
@@ -85,6 +87,16 @@ def _unsharded(fn, args, key):
   return _UNSHARDED[key]
 
 
+def _unsharded_xla(dout, args, key, **options):
+  """Values and all gradients of the unsharded call on the xla backend:
+  the expected results of every backend's sharded call (computed once per
+  key for all of them; the interpreted Triton kernels' own unsharded call
+  costs up to 11 s of compilation, and OneDeviceMeshTest runs it)."""
+  fn = lambda *a: jflash.flash_attention(*a, implementation="xla", **options)
+  return _unsharded(functools.partial(test_util.value_and_all_grads, fn,
+                                      dout), args, key=("xla", *key))
+
+
 @contextlib.contextmanager
 def _interpret_under_check_vma():
   """Lets the Pallas interpreter run inside shard_map(check_vma=True).
@@ -133,9 +145,7 @@ class ShardingTest(test_base.BackendTestCase):
     flash = self.flash(**options)
     args = (q, k, v) if bias is None else (q, k, v, bias)
     fn = lambda *a: flash(*a)
-    expected = _unsharded(
-        functools.partial(test_util.value_and_all_grads, fn, dout), args,
-        key=(self.implementation, bool(options)))
+    expected = _unsharded_xla(dout, args, (bool(options),), **options)
 
     mesh = _mesh(mesh_kind)
     spec = LAYOUTS[layout]
@@ -206,9 +216,8 @@ class ShardingTest(test_base.BackendTestCase):
     flash = self.flash(is_causal=True)
     fn = lambda q, k, v, bias: flash(q, k, v, bias)
     args = (q, k, v, bias)
-    expected = _unsharded(
-        functools.partial(test_util.value_and_all_grads, fn, dout), args,
-        key=(self.implementation, "user shard_map"))
+    expected = _unsharded_xla(dout, args, ("user shard_map",),
+                              is_causal=True)
     spec = LAYOUTS["batch_heads"]
     inner = jax.shard_map(
         fn, mesh=mesh, in_specs=(spec, spec, spec, P(None, "model")),
@@ -223,7 +232,10 @@ class ShardingTest(test_base.BackendTestCase):
   def test_vmap_of_sharded_inputs(self):
     q, k, v, _ = _inputs()
     stacked = [jnp.stack([x, 2.0 * x]) for x in (q, k, v)]
-    expected = jax.vmap(self.flash())(*stacked)
+    expected = _unsharded(
+        jax.vmap(functools.partial(jflash.flash_attention,
+                                   implementation="xla")),
+        stacked, key=("xla", "vmap"))
     mesh = _mesh("explicit")
     with jax.set_mesh(mesh):
       sharded = [jax.device_put(x, NamedSharding(
