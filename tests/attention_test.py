@@ -8,7 +8,6 @@ XLA path.
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -9,7 +9,6 @@ the Pallas kernels and the XLA path.
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 

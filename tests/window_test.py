@@ -2,7 +2,6 @@
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import jax
 import jax.numpy as jnp
 import numpy as np
 
