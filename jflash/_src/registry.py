@@ -172,19 +172,6 @@ class Backend:
             and others <= self.keywords)
 
 
-def paged_forward_only(name: str):
-  """A `Backend.check` for a backend that reads paged caches in the forward
-  pass only (the cache of a served model is never differentiated)."""
-
-  def check(spec: CallSpec, pass_: str) -> str | None:
-    if spec.mask.paged and pass_ == BACKWARD:
-      return (f"{name} reads a paged cache (block_table) in the forward "
-              "pass only.")
-    return None
-
-  return check
-
-
 _REGISTRY: dict[str, Backend] = {}
 _PRIORITY: list[str] = []
 
@@ -263,6 +250,11 @@ def unsupported_reason(backend: Backend, spec: CallSpec, pass_: str,
   missing = sorted((masks - caps.mask_features) | (opts - caps.options))
   if missing:
     return f"{name} does not support {', '.join(missing)}."
+  if spec.mask.paged and pass_ == BACKWARD:
+    # No backend differentiates through a paged cache (a served model's
+    # cache is never differentiated): differentiating such a call raises.
+    return (f"{name} reads a paged cache (block_table) in the forward pass "
+            "only.")
   if backend.check is not None:
     return backend.check(spec, pass_)
   return None

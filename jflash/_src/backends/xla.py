@@ -312,7 +312,6 @@ BACKEND = registry.Backend(
     # backend runs (with a warning), or when named.
     role=lambda where: (registry.FALLBACK if where == "cuda"
                         else registry.DEFAULT),
-    check=registry.paged_forward_only("xla"),
     limits=("stores the [q_len, kv_len] scores (memory quadratic); paged "
             "caches in the forward pass only"),
     configure=lambda spec: None,

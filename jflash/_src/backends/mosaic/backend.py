@@ -48,20 +48,17 @@ def unavailable() -> str | None:
   return None
 
 
-_paged_forward_only = registry.paged_forward_only("mosaic")
-
-
 def check(spec: CallSpec, pass_: str) -> str | None:
   """The kernels' exact head dims; bottom-right positions only with the
-  causal mask (a bottom-right window or ALiBi without it is Triton's); a
-  paged cache in the forward pass only."""
+  causal mask (a bottom-right window or ALiBi without it is Triton's)."""
+  del pass_
   if spec.head_dim not in HEAD_DIMS:
     return (f"mosaic supports head_dim in {{{', '.join(map(str, HEAD_DIMS))}"
             f"}}; got head_dim={spec.head_dim}.")
   if spec.mask.bottom_right and not spec.mask.is_causal:
     return ("mosaic supports causal_alignment='bottom_right' only with "
             "is_causal=True.")
-  return _paged_forward_only(spec, pass_)
+  return None
 
 
 def forward(spec: CallSpec, config: MosaicConfig, operands: Operands):

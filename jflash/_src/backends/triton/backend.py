@@ -83,7 +83,6 @@ BACKEND = registry.Backend(
     configure=TritonConfig.for_call,
     forward=forward,
     backward=backward,
-    check=registry.paged_forward_only("triton"),
     limits="paged caches in the forward pass only",
     tuning=tuning.SPACE,
 )
