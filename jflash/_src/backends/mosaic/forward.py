@@ -39,6 +39,22 @@ lengths) and the kernel masks by the true lengths. Rows and keys past the
 arrays' ends come in as zeros (TMA's out-of-bounds fill) and are masked;
 stores past the ends are dropped by TMA.
 
+FP8 (float8_e4m3fn q, k, v; `Fp8Scales`): the same kernel with 8-bit
+operands, FlashAttention-3's FP8 forward. Q K^T is an e4m3 wgmma with both
+operands in shared memory; P is cast to e4m3 in registers and fed to the
+second wgmma from there. 8-bit wgmma operands cannot be transposed, so both
+shared-memory operands must have the contracted axis fastest: V comes
+transposed, [B, K, H, S'] (keys fastest; `fp8_value_layout`, one XLA pass
+per call). The accumulator's register layout (two adjacent columns per
+thread per 8 columns) is not the 8-bit operand's (four per 16): the cast P
+keeps its registers and is read as if in the 8-bit layout
+(`relabel_for_8bit_operand`), which permutes keys within each group of 16;
+V's keys are permuted the same way when it is transposed, so the product is
+exact. Numerics: P = exp2(logit - max + FP8_P_SHIFT) lies in [0, 256], in
+e4m3's normal range (the shift cancels in the row sum, taken from the
+unrounded P); the q and k descales fold into the logit scale, the v descale
+into the final 1 / row sum. The output is out_ref's dtype (bfloat16).
+
 Outputs: O in the input dtype and lse2 float32 [B, N, T], as the Triton
 forward (a row that sees no key: O = 0, lse2 = +inf; with attention sinks
 the lse includes the sink, and such a row before q_len gets lse2 = its
@@ -54,8 +70,11 @@ from typing import Any
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 
 from jflash._src import numerics
 from jflash._src import sharding
@@ -75,13 +94,25 @@ PRODUCER_REGISTERS = 40
 # TMA row granularity of the shared-memory tiling: sequence lengths must be
 # multiples of it.
 SEQ_ALIGN = 8
+# FP8: exp2 of the logits minus the row max plus this lies in [1, 256] at
+# the max, so P rounds to e4m3 (max 448, normal from 2^-6) with its full
+# 3-bit mantissa over 14 binades below the max instead of 6; it cancels in
+# out = P V / sum(P) (FlashAttention-3's offset). On normal inputs with
+# outliers it cut the error from 0.011 to 0.008 (../shared/FP8.md).
+FP8_P_SHIFT = 8.0
+# FP8: V's keys are stored in groups of this many, permuted (see
+# `fp8_value_layout`).
+FP8_KEY_GROUP = 16
 
 
-def smem_transforms(dtype) -> tuple:
-  """Tiling and 128-byte swizzle of a [rows, head_dim] 16-bit tile (the
-  layout wgmma reads without bank conflicts)."""
-  swizzle = 128
-  columns = swizzle // jnp.dtype(dtype).itemsize
+def smem_transforms(dtype, columns: int | None = None) -> tuple:
+  """Tiling and swizzle of a [rows, columns] tile in shared memory (the
+  layout wgmma reads without bank conflicts): 128-byte swizzle, or the
+  row's width in bytes when narrower (8-bit tiles of 64 columns).
+  `columns`: the tile's width (None: wide enough for 128 bytes)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = 128 if columns is None else min(128, columns * itemsize)
+  columns = swizzle // itemsize
   return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -105,6 +136,8 @@ class ForwardScratch:
     k_consumed, v_consumed: per slot: both consumers are done with its K,
       its V.
     schedule: the consumers' ping-pong (two arrivals).
+    out: FP8 only: [2, block_q, H] in the output dtype, each consumer's
+      output tile (with 16-bit inputs the output goes through `qo`).
   """
 
   qo: Any
@@ -119,14 +152,17 @@ class ForwardScratch:
   k_consumed: Any
   v_consumed: Any
   schedule: Any
+  out: Any = None
 
 
 def forward_scratch(dtype, head_dim: int, block_sizes: MosaicBlockSizes, *,
-                    has_segments: bool) -> ForwardScratch:
-  """The `ForwardScratch` types of a launch."""
+                    has_segments: bool, out_dtype=None) -> ForwardScratch:
+  """The `ForwardScratch` types of a launch; `out_dtype` for FP8 inputs
+  (their output tiles, and V transposed: [stages, H, block_kv])."""
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
   stages = block_sizes.num_stages
-  transforms = smem_transforms(dtype)
+  fp8 = out_dtype is not None
+  transforms = smem_transforms(dtype, head_dim if fp8 else None)
   # The segment ids come with Q and K: one more copy on their barriers.
   with_ids = 2 if has_segments else 1
   return ForwardScratch(
@@ -134,8 +170,10 @@ def forward_scratch(dtype, head_dim: int, block_sizes: MosaicBlockSizes, *,
                     transforms=transforms),
       k=plgpu.SMEM((stages, block_kv, head_dim), dtype,
                    transforms=transforms),
-      v=plgpu.SMEM((stages, block_kv, head_dim), dtype,
-                   transforms=transforms),
+      v=(plgpu.SMEM((stages, head_dim, block_kv), dtype,
+                    transforms=smem_transforms(dtype, block_kv)) if fp8
+         else plgpu.SMEM((stages, block_kv, head_dim), dtype,
+                         transforms=transforms)),
       lse=plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),
       q_ids=(plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.int32)
              if has_segments else None),
@@ -150,6 +188,9 @@ def forward_scratch(dtype, head_dim: int, block_sizes: MosaicBlockSizes, *,
       v_consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
                                num_barriers=stages),
       schedule=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+      out=(plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), out_dtype,
+                      transforms=smem_transforms(out_dtype))
+           if fp8 else None),
   )
 
 
@@ -162,7 +203,10 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
 
   Args:
     refs: q, k, v, q_lengths, kv_lengths, and sinks and segments where the
-      call has them.
+      call has them; FP8: v is transposed ([B, K, H, S'], see
+      `fp8_value_layout`) and `fp8_scales` float32 [B, K, 2] holds each
+      (batch, kv head)'s logit scale (natural units, descales folded in)
+      and v descale.
     out_ref, lse_ref: the outputs, [B, T', N, H] and float32 [B, N, T''].
     scratch: the block's shared memory and barriers.
     persistent: a persistent launch (grid axis "programs"; calls whose key
@@ -174,6 +218,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
   stages = block_sizes.num_stages
   head_dim = refs.q.shape[3]
   dtype = refs.q.dtype
+  fp8 = refs.fp8_scales is not None
   block_rows = COMPUTE_WARPGROUPS * block_q
   wg = lax.axis_index("wg")
   segments = refs.segments
@@ -223,6 +268,14 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
                                 stages=stages)
     q_start = pipeline.row_group_start(block.start, wg, block_q)
     q_tile = scratch.qo.at[wg]
+    # The logit scale (natural units) and the factor of the output: with
+    # FP8, per (batch, kv head), the descales folded in.
+    logit_scale, out_scale, p_shift = scale, None, 0.0
+    if fp8:
+      kv_head = pipeline.kv_head_of(head, group)
+      logit_scale = refs.fp8_scales[batch, kv_head, 0]
+      out_scale = refs.fp8_scales[batch, kv_head, 1]
+      p_shift = FP8_P_SHIFT
     q_ready = scratch.q_ready.at[wg]
     plgpu.copy_gmem_to_smem(refs.q.at[batch, pl.ds(q_start, block_q), head],
                             q_tile, q_ready)
@@ -268,21 +321,24 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
 
       # Base-2 logits; without a cap or mask the scale is applied to the
       # row max (one multiply per row) and fused into the exponent.
+      # With FP8, the probabilities are exp2(logit - max + p_shift) (see
+      # FP8_P_SHIFT); row_sum is in the same units.
       if soft_cap is None and kind == "full":
-        scale2 = scale * numerics.LOG2_E
+        scale2 = logit_scale * numerics.LOG2_E
         new_max = jnp.maximum(row_max, s.max(axis=1) * scale2)
         probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(
-            new_max, tile_shape, [0]))
+            _minus(new_max, p_shift), tile_shape, [0]))
       else:
-        logits, _ = numerics.logits_base2(s, scale=scale, soft_cap=soft_cap)
+        logits, _ = numerics.logits_base2(s, scale=logit_scale,
+                                          soft_cap=soft_cap)
         if kind == "masked":
           seen = pipeline.key_tile_visible(
               mask, rows, columns, kv_step, block_kv, block.kv_len,
               block.offset, *segment_tiles(slot))
           logits = jnp.where(seen, logits, numerics.MASK_VALUE)
         new_max = jnp.maximum(row_max, logits.max(axis=1))
-        probs = jnp.exp2(logits - lax.broadcast_in_dim(new_max, tile_shape,
-                                                       [0]))
+        probs = jnp.exp2(logits - lax.broadcast_in_dim(
+            _minus(new_max, p_shift), tile_shape, [0]))
         if kind == "masked":
           # Exact zeros, also for rows that have seen no visible key yet
           # (their max is MASK_VALUE and the line above gives 1).
@@ -291,6 +347,14 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
       acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
       row_sum = row_sum * correction + probs.sum(axis=1)
       probs = probs.astype(dtype)
+      if fp8:
+        # P's registers read as the 8-bit operand layout: keys permuted
+        # within groups of 16, as V's are (fp8_value_layout). The barrier
+        # keeps the relabelled registers from being moved across the
+        # ping-pong below.
+        probs = relabel_for_8bit_operand(probs)
+        acc, new_max, row_sum, probs = lax.optimization_barrier(
+            (acc, new_max, row_sum, probs))
       # This warpgroup's softmax is done.
       plgpu.barrier_arrive(scratch.schedule)
       plgpu.barrier_wait(scratch.v_ready.at[slot])
@@ -298,7 +362,10 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
       plgpu.barrier_wait(scratch.schedule)
 
       def accumulate(acc_ref):
-        plgpu.wgmma(acc_ref, probs, scratch.v.at[slot])
+        # FP8: V's tile is [H, block_kv], keys (the contracted axis)
+        # fastest, as 8-bit operands must be.
+        value = scratch.v.at[slot]
+        plgpu.wgmma(acc_ref, probs, value.T if fp8 else value)
 
       acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(scratch.v_consumed.at[slot])
@@ -308,7 +375,8 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
     # `sink` that adds no value (max = sink, sum = 1; modifiers.py).
     start_max, start_sum = numerics.MASK_VALUE, 0.0
     if refs.sinks is not None:
-      start_max, start_sum = refs.sinks[batch, head] * numerics.LOG2_E, 1.0
+      start_max = refs.sinks[batch, head] * numerics.LOG2_E
+      start_sum = 2.0**p_shift
     carry = (
         plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
                           wgmma_layout),
@@ -336,13 +404,16 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
                                                layout=row_layout)
     has_keys = jnp.logical_and(row_sum > 0.0, row_ids < block.q_len)
     safe_sum = jnp.where(has_keys, row_sum, 1.0)
-    inverse = jnp.where(has_keys, 1.0 / safe_sum, 0.0)
+    inverse = jnp.where(
+        has_keys, (1.0 if out_scale is None else out_scale) / safe_sum, 0.0)
     out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
-    lse = jnp.where(has_keys, row_max + jnp.log2(safe_sum), jnp.inf)
-    q_tile[...] = out.astype(dtype)
+    lse = jnp.where(has_keys,
+                    _minus(row_max + jnp.log2(safe_sum), p_shift), jnp.inf)
+    out_tile = scratch.out.at[wg] if fp8 else q_tile
+    out_tile[...] = out.astype(out_ref.dtype)
     scratch.lse.at[wg][...] = lse
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile,
+    plgpu.copy_smem_to_gmem(out_tile,
                             out_ref.at[batch, pl.ds(q_start, block_q), head])
     plgpu.copy_smem_to_gmem(scratch.lse.at[wg],
                             lse_ref.at[batch, head, pl.ds(q_start, block_q)])
@@ -374,7 +445,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
           refs.k, refs.v, scratch.k, scratch.v, scratch.k_ready,
           scratch.v_ready, batch=block.batch,
           kv_head=pipeline.kv_head_of(block.head, group), block_kv=block_kv,
-          ids=kv_ids)
+          ids=kv_ids, values_transposed=fp8)
 
     consumed = (scratch.k_consumed, scratch.v_consumed)
 
@@ -396,6 +467,66 @@ def is_persistent(mask: MaskSpec) -> bool:
               or mask.has_segments)
 
 
+def _minus(x, shift: float):
+  """x - shift; x itself for a shift of 0 (16-bit inputs: no extra op)."""
+  return x - shift if shift else x
+
+
+def relabel_for_8bit_operand(probs):
+  """FP8 probabilities [block_q, block_kv] in the accumulator's register
+  layout, read without moving data as the 8-bit wgmma operand layout.
+
+  Per group of 16 columns, a thread holds columns 2c, 2c+1 and 8+2c,
+  8+2c+1 (c = lane % 4) in the accumulator's layout (Layout.WGMMA: a pair
+  per 8 columns) and columns 4c..4c+3 in the 8-bit operand's
+  (Layout.WGMMA_8BIT: four per 16), rows alike. Joining its two pairs into
+  one vector of four therefore puts key 8a + 2c + b (a, b in {0, 1}) at
+  operand column 4c + 2a + b: a permutation of the keys within each group
+  of 16 that `fp8_value_layout` applies to V's keys too, so that P V is
+  unchanged (the contraction's order is free). Mosaic has no such
+  conversion (`layout_cast` refuses it): this is written against its
+  fragmented arrays.
+  """
+  layout_8bit = plgpu.Layout.WGMMA_8BIT
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(probs.shape, probs.dtype,
+                                         layout_8bit))
+  def relabel(ctx, array):
+    del ctx
+    target = mgpu.WGMMA_LAYOUT_8BIT
+    registers = np.empty(target.registers_shape(array.shape), dtype=object)
+    for index in np.ndindex(registers.shape):
+      # Register (.., j, ..) of the 8-bit layout: the accumulator's pairs
+      # of its 8-column tiles 2j and 2j + 1.
+      pairs = [array.registers[(index[0], 2 * index[1] + half, *index[2:])]
+               for half in (0, 1)]
+      registers[index] = mgpu_utils.vector_concat(pairs)
+    return mgpu.FragmentedArray(_registers=registers, _layout=target,
+                                _is_signed=None)
+
+  return relabel(probs)
+
+
+def fp8_value_layout(value, block_kv: int):
+  """FP8 V [B, S, K, H] as the kernel reads it: [B, K, H, S'] (S' = S
+  padded with zeros to a multiple of block_kv, which TMA's tiling of the
+  keys axis needs), the keys of each group of 16 permuted as
+  `relabel_for_8bit_operand` permutes P's: key 8a + 2c + b of a group at
+  position 4c + 2a + b. One XLA transpose; a caller storing its cache this
+  way would skip it."""
+  batch, kv_seq, num_kv_heads, head_dim = value.shape
+  value = pad_rows(value, block_kv)
+  groups = value.shape[1] // FP8_KEY_GROUP
+  value = value.reshape(batch, groups, 2, 4, 2, num_kv_heads, head_dim)
+  # (batch, group, a, c, b, kv head, H) -> (batch, kv head, H, group, c, a,
+  # b).
+  value = value.transpose(0, 5, 6, 1, 3, 2, 4)
+  del kv_seq
+  return value.reshape(batch, num_kv_heads, head_dim, groups * FP8_KEY_GROUP)
+
+
 def _and(a, b):
   """a and b, for a traced bool `a` and a Python or traced bool `b`."""
   return a if b is True else jnp.logical_and(a, b)
@@ -412,7 +543,9 @@ def pad_rows(x, multiple: int):
 
 def forward_call(operands: Operands, *, spec: CallSpec,
                  block_sizes: MosaicBlockSizes,
-                 persistent: bool | None = None):
+                 persistent: bool | None = None,
+                 fp8_descales: tuple | None = None,
+                 out_dtype=jnp.bfloat16):
   """Launches the forward kernel.
 
   Args:
@@ -423,9 +556,14 @@ def forward_call(operands: Operands, *, spec: CallSpec,
     block_sizes: the tiles.
     persistent: whether to launch a persistent kernel; None: where
       `is_persistent` allows (True there only, for comparisons).
+    fp8_descales: for float8_e4m3fn q, k, v: their descales (q_descale,
+      k_descale, v_descale), each float32 [B, K] (a real value is the fp8
+      value times its descale; q's applies to the kv head's group).
+    out_dtype: the output's dtype with FP8 inputs.
 
   Returns:
-    (out [B, T, N, H] in query.dtype, lse2 float32 [B, N, T]).
+    (out [B, T, N, H] in query.dtype (FP8: out_dtype), lse2 float32
+    [B, N, T]).
   """
   q_lengths, kv_lengths = pipeline.kernel_lengths(spec.mask, operands)
   segment_ids = pipeline.segment_ids(spec.mask, operands)
@@ -433,14 +571,29 @@ def forward_call(operands: Operands, *, spec: CallSpec,
   batch, q_seq, num_heads, head_dim = query.shape
   kv_seq, num_kv_heads = key.shape[1:3]
   dtype = query.dtype
+  fp8 = fp8_descales is not None
+  if fp8 != (dtype == jnp.float8_e4m3fn):
+    raise ValueError(f"fp8_descales go with float8_e4m3fn inputs; got "
+                     f"{dtype} inputs and fp8_descales={fp8_descales}.")
   query = pad_rows(query, SEQ_ALIGN)
   key = pad_rows(key, SEQ_ALIGN)
-  value = pad_rows(operands.value, SEQ_ALIGN)
+  value = (fp8_value_layout(operands.value, block_sizes.block_kv) if fp8
+           else pad_rows(operands.value, SEQ_ALIGN))
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
   if q_lengths is None:
     q_lengths = kv_lengths = jnp.zeros((batch,), jnp.int32)  # Unread.
   scratch = forward_scratch(dtype, head_dim, block_sizes,
-                            has_segments=segment_ids is not None)
+                            has_segments=segment_ids is not None,
+                            out_dtype=out_dtype if fp8 else None)
+  fp8_scales = None
+  if fp8:
+    q_descale, k_descale, v_descale = (
+        jnp.broadcast_to(jnp.asarray(d, jnp.float32), (batch, num_kv_heads))
+        for d in fp8_descales)
+    fp8_scales = jnp.stack([q_descale * k_descale * spec.scale, v_descale],
+                           axis=-1)
+  else:
+    out_dtype = dtype
   num_tiles = pl.cdiv(q_seq, COMPUTE_WARPGROUPS * block_q)
   if persistent and not is_persistent(spec.mask):
     raise ValueError(f"persistent=True needs a mask without window, lengths "
@@ -465,7 +618,7 @@ def forward_call(operands: Operands, *, spec: CallSpec,
   inputs = pipeline.KernelInputs(
       q=query, k=key, v=value, q_lengths=q_lengths, kv_lengths=kv_lengths,
       sinks=None if sinks is None else sinks.astype(jnp.float32),
-      segments=segments)
+      segments=segments, fp8_scales=fp8_scales)
 
   # The lse rows of the last tile are stored by a 1-D copy, which TMA
   # bounds by the whole array, not per row: past T they would land on the
@@ -473,7 +626,7 @@ def forward_call(operands: Operands, *, spec: CallSpec,
   lse_seq = num_tiles * COMPUTE_WARPGROUPS * block_q
   out, lse2 = pipeline.launch(
       kernel, scratch, inputs,
-      out_type=(sharding.output_struct(query.shape, dtype, query, key),
+      out_type=(sharding.output_struct(query.shape, out_dtype, query, key),
                 sharding.output_struct((batch, num_heads, lse_seq),
                                        jnp.float32, query, key)),
       **(pipeline.tile_grid(num_tiles, num_heads, batch,

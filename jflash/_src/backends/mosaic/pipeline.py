@@ -149,12 +149,15 @@ def tile_start(tile, rows: int):
 
 def key_value_loader(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, *,
                      batch, kv_head, block_kv: int,
-                     ids: tuple | None = None) -> Callable:
+                     ids: tuple | None = None,
+                     values_transposed: bool = False) -> Callable:
   """load(step, slot) of key/value tile `step` of one (batch, kv head).
 
   ids: with segments, (kv segment ids in GMEM [B, S'], their ring in shared
     memory [stages, block_kv]): the tile's ids come with K, on `k_ready`
     (a barrier of two arrivals then).
+  values_transposed: V is [B, K, H, S'] (the FP8 forward's layout): its
+    tile is [H, block_kv].
 
   The CPU masking model (tests/mosaic_model.py) restates which rows
   this loads (K, V and their ids at `tile_start(step, block_kv)`, block_kv
@@ -168,8 +171,13 @@ def key_value_loader(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, *,
     if ids is not None:
       load_ids(ids, batch, tile_start(step, block_kv), block_kv, slot,
                k_ready.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot],
-                            v_ready.at[slot])
+    if values_transposed:
+      keys = pl.ds(tile_start(step, block_kv), block_kv)
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, :, keys],
+                              v_smem.at[slot], v_ready.at[slot])
+    else:
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot],
+                              v_ready.at[slot])
 
   return load
 
@@ -671,6 +679,9 @@ class KernelInputs:
     segments: the kernel's `SegmentInputs` (segment_inputs), or None.
     dq_sum: float32 [B, T', N, H], zeros, that the dK/dV kernel adds each
       tile's dQ / scale into (atomic_dq; a `pl.run_state` ref).
+    fp8_scales: the FP8 forward's float32 [B, K, 2]: per (batch, kv head)
+      the logit scale (natural units, q and k descales folded in) and the
+      v descale; None for 16-bit inputs.
   """
 
   q: Any
@@ -684,6 +695,7 @@ class KernelInputs:
   sinks: Any = None
   segments: SegmentInputs | None = None
   dq_sum: Any = None
+  fp8_scales: Any = None
 
   def replace(self, **changes) -> KernelInputs:
     return dataclasses.replace(self, **changes)
