@@ -10,9 +10,17 @@ from jflash._src.spec import CallSpec
 from jflash._src.tuning import cache
 
 # Hopper's shared memory per block (227 KiB) less room for barriers.
-SMEM_BUDGET_BYTES = 227 * 1024 - 2048
-# Bytes per q/k/v element: the kernels take bfloat16 and float16 only.
+SMEM_BYTES = 227 * 1024
+SMEM_BUDGET_BYTES = SMEM_BYTES - 2048
+# The FP8 forward's allocations are counted with their 1 KiB alignment
+# (`MosaicBlockSizes.fp8_smem_bytes`); past them a launch took 2136 bytes
+# more (D=256, 128-key tiles, H100, RECORD 2026-11-25 "FP8 forward, first
+# run"): 4 KiB are left.
+FP8_SMEM_RESERVED_BYTES = 4096
+# Bytes per q/k/v element of the 16-bit kernels (bfloat16, float16); the
+# FP8 forward takes FP8_DTYPE.
 ITEMSIZE = 2
+FP8_DTYPE = "float8_e4m3fn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +80,29 @@ class MosaicBlockSizes:
     q = 2 * self.block_q * head_dim * itemsize
     kv = 2 * self.num_stages * self.block_kv * head_dim * itemsize
     return q + kv + 2 * self.block_q * 4
+
+  def fp8_smem_bytes(self, head_dim: int) -> int:
+    """Shared memory of the FP8 forward kernel: Q (8-bit) and a bfloat16
+    output tile per compute warpgroup, the K and V rings (8-bit), the lse
+    staging; each allocation rounded up to the 1 KiB alignment of swizzled
+    tiles (measured: D=256 with 128-key tiles asked 232536 bytes, 2136 more
+    than these allocations)."""
+    aligned = lambda n: -(-n // 1024) * 1024
+    return (aligned(2 * self.block_q * head_dim)
+            + 2 * aligned(self.num_stages * self.block_kv * head_dim)
+            + aligned(2 * self.block_q * 4)
+            + aligned(2 * self.block_q * head_dim * 2))
+
+  def check_fits_fp8(self, head_dim: int) -> None:
+    """Raises ValueError if the FP8 forward's shared memory exceeds
+    Hopper's (with FP8_SMEM_RESERVED_BYTES left for barriers and Mosaic's
+    own use)."""
+    needed = self.fp8_smem_bytes(head_dim)
+    if needed > SMEM_BYTES - FP8_SMEM_RESERVED_BYTES:
+      raise ValueError(
+          f"block_sizes={self} need {needed} bytes of shared memory in the "
+          f"FP8 forward at head_dim={head_dim}; a Hopper block has "
+          f"{SMEM_BYTES - FP8_SMEM_RESERVED_BYTES} for its tiles.")
 
   def backward_smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the larger of the two backward kernels."""
@@ -149,14 +180,42 @@ def backward_warpgroup_split(head_dim: int) -> tuple[int, int]:
   return BWD_COMPUTE_WARPGROUPS // chunks, chunks
 
 
+def default_fp8_block_sizes(head_dim: int, is_causal: bool
+                            ) -> MosaicBlockSizes:
+  """The FP8 forward's tiles by head dim (H100, RECORD 2026-11-25 "FP8
+  forward, first run": B=1, 16 heads, 16k tokens): 256-key tiles with 2
+  stages at D=64 and D=128 (10-14% faster than 128-key tiles), but
+  128-key tiles for causal calls at D=128 (6% faster: fewer masked keys on
+  the diagonal); 64-key tiles at D=256 (128 do not fit)."""
+  if head_dim > 128:
+    sizes = MosaicBlockSizes(block_kv=64)
+  elif head_dim > 64 and is_causal:
+    sizes = MosaicBlockSizes(block_kv=128)
+  else:
+    sizes = MosaicBlockSizes(block_kv=256)
+  sizes.check_fits_fp8(head_dim)
+  return sizes
+
+
+def is_fp8(spec: CallSpec) -> bool:
+  """Whether the call's q, k, v are float8_e4m3fn (the FP8 forward)."""
+  return spec.dtype == FP8_DTYPE
+
+
 def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
-  """The tiles by head dim for the call (`default_block_sizes`)."""
+  """The tiles by head dim for the call (`default_block_sizes`, or
+  `default_fp8_block_sizes`)."""
+  if is_fp8(spec):
+    return default_fp8_block_sizes(spec.head_dim, spec.mask.is_causal)
   return default_block_sizes(spec.head_dim, ITEMSIZE)
 
 
 def check_fits(tiles: MosaicBlockSizes, spec: CallSpec) -> None:
-  """`tiles.check_fits` at the call's head dim."""
-  tiles.check_fits(spec.head_dim, ITEMSIZE)
+  """`tiles.check_fits` (FP8: `check_fits_fp8`) at the call's head dim."""
+  if is_fp8(spec):
+    tiles.check_fits_fp8(spec.head_dim)
+  else:
+    tiles.check_fits(spec.head_dim, ITEMSIZE)
 
 
 @dataclasses.dataclass(frozen=True)

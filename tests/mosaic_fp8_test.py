@@ -1,0 +1,152 @@
+"""The Mosaic FP8 forward's host-side logic and its model, on the CPU.
+
+The kernel itself needs a Hopper GPU (benchmarks/fp8.py check runs it
+against tests/mosaic_fp8_model.py there; the GPU suite through
+flash_attention). Here: V's transposed, key-permuted layout is the
+permutation the register relabelling of P implies (so P V is exact); the
+model of the kernel's arithmetic is within FP8's error of float32
+attention; the shared-memory accounting refuses what does not fit; the
+kernel lowers for CUDA at every head dim with the masks it supports.
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jflash._src.backends import xla
+from jflash._src.backends.mosaic import config
+from jflash._src.backends.mosaic import forward
+from jflash._src.backends.mosaic.config import MosaicBlockSizes
+from tests import mosaic_fp8_model
+
+
+def relabelled_column(position: int) -> int:
+  """The accumulator column whose value `relabel_for_8bit_operand` places
+  at 8-bit operand column `position` of a group of 16: thread c = lane % 4
+  holds accumulator columns (2c, 2c+1) and (8+2c, 8+2c+1), read as operand
+  columns 4c..4c+3 (the layouts' documented lane assignments)."""
+  c, e = divmod(position, 4)
+  return 8 * (e // 2) + 2 * c + e % 2
+
+
+def quantize(x, num_kv_heads):
+  """Per (batch, kv head) e4m3 quantization: (x8, descale [B, K])."""
+  batch, length, heads, dim = x.shape
+  grouped = np.abs(x).reshape(batch, length, num_kv_heads, -1, dim)
+  descale = np.maximum(grouped.max(axis=(1, 3, 4)), 1e-12) / 448.0
+  per_head = np.repeat(descale, heads // num_kv_heads, axis=1)
+  x8 = jnp.asarray(x / per_head[:, None, :, None]).astype(jnp.float8_e4m3fn)
+  return x8, jnp.asarray(descale, jnp.float32)
+
+
+class ValueLayoutTest(absltest.TestCase):
+
+  def test_permuted_values_make_the_relabelled_product_exact(self):
+    # P' (P's columns as the relabelled registers hold them) times V' (the
+    # kernel's V layout, transposed back) equals P V exactly: integers.
+    rng = np.random.default_rng(0)
+    batch, keys, heads, dim = 2, 40, 3, 8
+    value = rng.integers(-8, 8, (batch, keys, heads, dim)).astype(np.float32)
+    probs = rng.integers(0, 8, (5, 48)).astype(np.float32)  # 48 >= 40 keys
+    laid_out = np.asarray(forward.fp8_value_layout(jnp.asarray(value), 48))
+    self.assertEqual(laid_out.shape, (batch, heads, dim, 48))
+    order = np.concatenate([16 * g + np.array(
+        [relabelled_column(p) for p in range(16)]) for g in range(3)])
+    relabelled = probs[:, order]
+    padded = np.pad(value, [(0, 0), (0, 8), (0, 0), (0, 0)])
+    for b in range(batch):
+      for h in range(heads):
+        np.testing.assert_array_equal(relabelled @ laid_out[b, h].T,
+                                      probs @ padded[b, :, h])
+
+  def test_relabelled_columns_are_a_permutation_of_each_group(self):
+    self.assertCountEqual([relabelled_column(p) for p in range(16)],
+                          range(16))
+
+
+@functools.partial(jax.jit, static_argnames=("options", "block_kv"))
+def _model_and_reference(q8, k8, v8, descales, q_lengths, kv_lengths, sinks,
+                         *, options, block_kv):
+  options = {"is_causal": False, **dict(options)}
+  soft_cap = options.pop("soft_cap", None)
+  num_kv_heads = k8.shape[2]
+  scale = q8.shape[-1]**-0.5
+  model = mosaic_fp8_model.fp8_forward_model(
+      q8, k8, v8, descales, scale=scale, block_kv=block_kv,
+      q_lengths=q_lengths, kv_lengths=kv_lengths, sinks=sinks,
+      soft_cap=soft_cap, **options)
+  dequantized = [mosaic_fp8_model.dequantize(x8, d, num_kv_heads)
+                 for x8, d in zip((q8, k8, v8), descales)]
+  reference = xla.attention_reference(
+      *dequantized, q_lengths, kv_lengths, scale=scale,
+      logits_soft_cap=soft_cap, sinks=sinks, return_lse=True, **options)
+  return model, reference
+
+
+class ModelTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("causal_gqa_lengths_sinks_d128", 128,
+       dict(is_causal=True, bottom_right=True), True),
+      ("window_soft_cap_d64", 64,
+       dict(window=(30, 0), is_causal=True, soft_cap=5.0), False),
+  )
+  def test_model_is_within_fp8_error_of_float32(self, head_dim, options,
+                                                lengths_and_sinks):
+    # The issue's bound on standard normal inputs: 0.03 relative (the
+    # rounding of P to e4m3 costs ~0.02). Rows without keys: exactly 0.
+    rng = np.random.default_rng(1)
+    batch, q_len, kv_len, heads, kv_heads = 2, 96, 160, 4, 2
+    q8, qd = quantize(rng.standard_normal((batch, q_len, heads, head_dim)),
+                      kv_heads)
+    k8, kd = quantize(rng.standard_normal((batch, kv_len, kv_heads,
+                                           head_dim)), kv_heads)
+    v8, vd = quantize(rng.standard_normal((batch, kv_len, kv_heads,
+                                           head_dim)), kv_heads)
+    q_lengths = jnp.asarray([q_len, 40] if lengths_and_sinks
+                            else [q_len, q_len], jnp.int32)
+    kv_lengths = jnp.asarray([kv_len, 0] if lengths_and_sinks
+                             else [kv_len, kv_len], jnp.int32)
+    sinks = (jnp.asarray(rng.standard_normal((batch, heads)), jnp.float32)
+             if lengths_and_sinks else None)
+    (out, lse2), (ref_out, ref_lse) = _model_and_reference(
+        q8, k8, v8, (qd, kd, vd), q_lengths, kv_lengths, sinks,
+        options=tuple(options.items()), block_kv=64)
+    chex.assert_tree_all_finite(out)
+    error = (np.linalg.norm(np.asarray(out, np.float32) - ref_out)
+             / np.linalg.norm(ref_out))
+    self.assertLess(error, 0.03)
+    self.assertGreater(error, 1e-3)  # P was rounded to e4m3.
+    seen = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_allclose(
+        np.swapaxes(np.asarray(lse2), 1, 2)[seen] * np.log(2),
+        np.asarray(ref_lse)[seen], atol=5e-2)
+    if lengths_and_sinks:
+      # Batch element 1 sees no key: zero output, finite lse (its sink)
+      # before q_len, no lse past it.
+      np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)
+      self.assertTrue(np.isinf(np.asarray(lse2[1, :, 40:])).all())
+      self.assertTrue(np.isfinite(np.asarray(lse2[1, :, :40])).all())
+
+
+class SharedMemoryTest(absltest.TestCase):
+
+  def test_default_fp8_tiles_fit_and_the_measured_overflow_is_refused(self):
+    for head_dim in (64, 128, 256):
+      for causal in (False, True):
+        tiles = config.default_fp8_block_sizes(head_dim, causal)
+        self.assertLessEqual(
+            tiles.fp8_smem_bytes(head_dim),
+            config.SMEM_BYTES - config.FP8_SMEM_RESERVED_BYTES)
+    # An H100 refused this launch: 232536 bytes asked, 232448 available.
+    with self.assertRaisesRegex(ValueError, "FP8 forward at head_dim=256"):
+      MosaicBlockSizes(block_kv=128).check_fits_fp8(256)
+
+
+if __name__ == "__main__":
+  absltest.main()
