@@ -28,6 +28,7 @@ import jflash.nnx
 from jflash._src import api
 from jflash._src import fp8
 from jflash._src import registry
+from jflash._src import sharding
 from jflash._src.backends import xla as xla_backend
 from tests import test_base
 from tests import test_util
@@ -454,6 +455,42 @@ class Fp8DispatchTest(parameterized.TestCase):
     chex.assert_trees_all_close(mapped[:, 0], out, atol=1e-3, rtol=0)
     # The descales it was given are the call's.
     assert_close_to_reference(self, out, reference(*_real_values(*inputs)))
+
+
+  def test_a_backend_that_is_one_direct_call(self):
+    # cudnn's kind (no separate passes): it runs the dequantized call as its
+    # one differentiable function, whose autodiff must not run.
+    backend = registry.Backend(
+        name="fake_direct", capabilities=registry.Capabilities(
+            passes=frozenset(registry.PASSES), dtypes=("bfloat16",),
+            max_head_dim=None,
+            mask_features=frozenset(registry.MASK_FEATURES),
+            options=frozenset(registry.OPTIONS)),
+        configure=lambda spec: None, forward=None, backward=None,
+        differentiable=True, direct=xla_backend.direct)
+    inputs = _fp8_inputs(15)
+    attend = lambda *x: jflash.flash_attention(
+        *x[:3], **_descales(*x[3:]), implementation="fake_direct")
+    with mock.patch.dict(registry._REGISTRY, fake_direct=backend):
+      out = jax.jit(attend)(*inputs)
+      with self.assertRaisesRegex(NotImplementedError, "forward pass only"):
+        jax.grad(lambda *x: attend(*x).astype(jnp.float32).sum(),
+                 argnums=4)(*inputs)
+    assert_close_to_reference(self, out, reference(*_real_values(*inputs)))
+
+  def test_empty_call_and_descale_layouts(self):
+    q8, k8, v8, qd, kd, vd = _fp8_inputs(16)
+    out = jflash.flash_attention(q8[:, :0], k8, v8, **_descales(qd, kd, vd),
+                                 implementation="xla", out_dtype="float32")
+    chex.assert_shape(out, (BATCH, 0, HEADS, HEAD_DIM))
+    chex.assert_equal(out.dtype, jnp.float32)
+    # Descales shard with the kv heads (a native backend's operands).
+    call = self._call()
+    self.assertEqual(
+        sharding._partition_spec(sharding._array_factors(
+            "k_descale", (BATCH, KV_HEADS), call.spec), ("data",),
+                                 ("model",)),
+        jax.sharding.PartitionSpec("data", "model"))
 
 
 class Fp8ErrorsTest(parameterized.TestCase):
