@@ -8,6 +8,10 @@ from jflash._src import deprecation as _deprecation
 from jflash._src.api import flash_attention
 from jflash._src.decode import decode_attention
 from jflash._src.api import implementations
+from jflash._src.fp8 import dequantize_fp8
+from jflash._src.fp8 import hadamard
+from jflash._src.fp8 import quantize_fp8
+from jflash._src.fp8 import quantize_qkv
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.triton.block_sizes import BlockSizes
 from jflash._src.backends.triton.block_sizes import default_block_sizes
@@ -22,5 +26,6 @@ _deprecation.silence_triton_deprecation()
 __version__ = "0.1.0"
 __all__ = [
     "BlockSizes", "MosaicBlockSizes", "autotune", "decode_attention",
-    "default_block_sizes", "flash_attention", "implementations",
-    "load_balance", "load_unbalance", "ring_attention", "ring_attention_local"]
+    "default_block_sizes", "dequantize_fp8", "flash_attention", "hadamard",
+    "implementations", "load_balance", "load_unbalance", "quantize_fp8",
+    "quantize_qkv", "ring_attention", "ring_attention_local"]

@@ -189,6 +189,22 @@ class BackendTestCase(parameterized.TestCase):
 
     return call
 
+  def flash_forward(self, **kwargs):
+    """`self.flash` for a call that has a forward pass only (FP8 inputs, a
+    paged cache): skips, with the registry's reason, only when the target
+    cannot run its forward."""
+    bound = {"implementation": self.implementation, **self.options,
+             **kwargs}
+
+    def call(*args, **more):
+      reason = api.unsupported_reason(*args, **bound, **more,
+                                      passes=(registry.FORWARD,))
+      if reason is not None:
+        self.skipTest(f"{self.implementation}: {reason}")
+      return jflash.flash_attention(*args, **bound, **more)
+
+    return call
+
   def require_independent_reference(self) -> None:
     """Skips on the xla backend a test whose only check compares with the
     xla backend (options jax.nn lacks): it would compare it with itself."""

@@ -279,6 +279,13 @@ def _function_references(fn, args, dout):
 
 
 
+def assert_within_table(test, results, reference, low, dtype, names):
+  """Results (a tuple, named by `names`) against a float32 `reference`,
+  with `low` (the same computation in `dtype`) as the baseline of the
+  tolerance table: for forward-only calls (tests/fp8_test.py)."""
+  _assert_within_table(test, results, reference, low, dtype, names)
+
+
 def _assert_within_table(test, results, reference, low, dtype,
                          names=("out", "dq", "dk", "dv")):
   """results, reference and low: same-length tuples, named by `names`."""

@@ -19,6 +19,24 @@ FLOOR = {
     "float16": 5e-4,
 }
 
+# FP8 (tests/fp8_test.py).
+# - FP8_DEQUANTIZED: max|FP8 call - float64 attention of its real values|
+#   / max(1, max|reference|). The dequantizing path rounds the real values
+#   to bfloat16 (2^-9 relative), then runs the bfloat16 kernels (P in
+#   bfloat16, the output rounded: ~2^-8 relative each). Measured <= 4.7e-3
+#   on tests/fp8_test.py's cases.
+# - FP8_ROUNDING: relative error of rounding a normal value to the dtype
+#   (half a unit in the last place: 3 mantissa bits for e4m3, 2 for e5m2);
+#   values below the smallest normal are off by at most half the smallest
+#   subnormal step (FP8_SUBNORMAL_STEP / 2), times their descale.
+# - FP8_ATTENTION: max|attention of quantized q/k/v - unquantized| /
+#   max|unquantized| on normal data (measured ~0.03 at these shapes;
+#   FP8.md: ~2.4% relative from P's rounding alone, more with outliers).
+FP8_DEQUANTIZED = 1e-2
+FP8_ROUNDING = {"float8_e4m3fn": 2.0**-4, "float8_e5m2": 2.0**-3}
+FP8_SUBNORMAL_STEP = {"float8_e4m3fn": 2.0**-9, "float8_e5m2": 2.0**-16}
+FP8_ATTENTION = 0.1
+
 # Two computations of the same function in the inputs' dtype that the table
 # above cannot judge (no jax.nn run in the input dtype to scale by): e.g. a
 # backend against jflash's XLA path, or a composition of calls (merged key

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jflash._src import backends  # noqa: F401 (registers the backends)
 from jflash._src import binding
 from jflash._src import dropout
+from jflash._src import fp8
 from jflash._src import modifiers
 from jflash._src import registry
 from jflash._src import validation
@@ -53,6 +54,10 @@ def flash_attention(
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
     block_table: jax.typing.ArrayLike | None = None,
+    q_descale: jax.typing.ArrayLike | None = None,
+    k_descale: jax.typing.ArrayLike | None = None,
+    v_descale: jax.typing.ArrayLike | None = None,
+    out_dtype: jax.typing.DTypeLike | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
 
@@ -129,6 +134,25 @@ def flash_attention(
   would. The masks differ from Flax's `jax.random.bernoulli` ones
   (same distribution, other bits).
 
+  FP8 (inference, forward only): q, k and v may all be float8_e4m3fn (or
+  all float8_e5m2), each with a float32 descale per (batch element, kv
+  head): the real value of an element is its FP8 value times its descale,
+  q's descale applying to every query head of its kv head's group
+  (FlashAttention-3's convention):
+  query[b, t, n] * q_descale[b, n // (N // K)], key[b, s, k] *
+  k_descale[b, k], value[b, s, k] * v_descale[b, k]. The result is the
+  attention of those real values, every mask and option included, in
+  `out_dtype` (bfloat16 by default); the returned lse is that of the
+  dequantized logits. `jflash.quantize_qkv` produces such inputs.
+  A backend whose capabilities list the FP8 dtype runs FP8 kernels; every
+  other one (all of them, until the Mosaic FP8 kernel lands; see
+  `jflash.implementations()`, column "fp8") runs the call dequantized:
+  q, k and v times their descales, rounded to bfloat16 (a paged cache is
+  gathered into a dense copy first), then its bfloat16 kernels. Dropout
+  runs as in any forward. Differentiating an FP8 call, with respect to any
+  argument, raises NotImplementedError; `jflash.ring_attention` does not
+  take FP8 inputs.
+
   Args:
     query: [B, T, N, H] or unbatched [T, N, H].
     key: [B, S, K, H] or [S, K, H]; N must be a multiple of K.
@@ -187,8 +211,9 @@ def flash_attention(
       sum_s exp(x_ts)); to merge key shards, compute them without sinks and
       apply the sink once to the merged result.
     residual_dtype: the lse's dtype with return_residual=True; None: the
-      inputs' (as jax.nn). Pass jnp.float32 to merge 16-bit shards: a
-      bfloat16 lse of magnitude 10 is off by up to 0.03 (3% after exp).
+      inputs' (as jax.nn; FP8 inputs: out_dtype's). Pass jnp.float32 to
+      merge 16-bit shards: a bfloat16 lse of magnitude 10 is off by up to
+      0.03 (3% after exp).
     return_residuals: deprecated (DeprecationWarning): the same as
       `return_residual=True, residual_dtype=jnp.float32`.
     q_segment_ids: integer [B, T] ([T] for unbatched inputs), the segment of
@@ -220,10 +245,21 @@ def flash_attention(
       table entries and cache rows at or past key_value_seq_lengths never
       affect the result. Not combinable with bias, mask, segment ids or
       dropout.
+    q_descale: with FP8 q, k and v (required then, refused otherwise): a
+      float array broadcastable to [B, K] (a scalar, [B, 1], [1, K] or
+      [B, K]; unbatched inputs: a scalar or [K]), cast to float32: the
+      scale of query head n's elements is q_descale[b, n // (N // K)]. Not
+      differentiable.
+    k_descale: as q_descale, for key (kv head k: k_descale[b, k]; with a
+      paged cache, the pages sequence b reads).
+    v_descale: as k_descale, for value.
+    out_dtype: the output's dtype for FP8 inputs: bfloat16 (default),
+      float16 or float32 (a float32 output of the dequantizing path holds
+      the bfloat16 result). For other inputs only None or their dtype.
 
   Returns:
-    Array of `query`'s shape and dtype; with return_residual=True, the tuple
-    (output, lse).
+    Array of `query`'s shape and dtype (FP8 inputs: `out_dtype`); with
+    return_residual=True, the tuple (output, lse).
 
   Raises:
     ValueError: on inconsistent shapes, ranks, dtypes, lengths or options,
@@ -231,7 +267,8 @@ def flash_attention(
     NotImplementedError: for valid options the named backend does not
       support (e.g. head dim > 256 or float64 on the kernels, segment ids
       with implementation="cudnn"; the message says which backend lacks
-      what), and for higher-order derivatives through kernels.
+      what), for higher-order derivatives through kernels, and for any
+      derivative of an FP8 call.
   """
   return_residual, residual_dtype = residual_options(
       "flash_attention", return_residual, residual_dtype, return_residuals)
@@ -245,9 +282,10 @@ def flash_attention(
       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       sinks=sinks, alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
-      block_table=block_table)
+      block_table=block_table, q_descale=q_descale, k_descale=k_descale,
+      v_descale=v_descale, out_dtype=out_dtype)
   lse_dtype = validation.check_residual_dtype(
-      residual_dtype, call.operands.query.dtype, return_residual)
+      residual_dtype, call.spec.output_dtype, return_residual)
   return run(call, implementation, lse_dtype)
 
 
@@ -257,17 +295,33 @@ def run(call: DescribedCall, implementation: str | None, lse_dtype=None):
   (decode_attention shares it)."""
   plan = registry.plan(call.spec, implementation, call.options)
   spec = call.spec
-  if 0 in (spec.batch, spec.q_len, spec.kv_len, spec.num_heads):
-    out, lse = _empty_call(call.operands)
-  else:
-    result = binding.attention(spec, plan, call.operands)
-    out, lse = result if spec.return_lse else (result, None)
+  attend = functools.partial(_attend, spec, plan)
+  if spec.is_fp8:
+    # No backend has an FP8 backward (registry.unsupported_reason): a
+    # derivative with respect to anything, descales included, raises here,
+    # in forward and reverse mode alike.
+    attend = binding.forward_only(attend, registry.FP8_FORWARD_ONLY)
+  out, lse = attend(call.operands)
+  out = out.astype(spec.output_dtype)
   if call.unbatched:
     out = out[0]
     lse = None if lse is None else lse[0]
   if not spec.return_lse:
     return out
   return out, lse.astype(lse_dtype)
+
+
+def _attend(spec: CallSpec, plan: registry.Plan, operands: Operands):
+  """(out, natural lse or None) of the call on the plan's backends."""
+  if plan.dequantize:
+    # An FP8 call on a backend without FP8 kernels (the plan says so): it
+    # runs the dequantized call.
+    spec = spec.dequantized()
+    operands = fp8.dequantize_operands(operands, spec.dtype)
+  if 0 in (spec.batch, spec.q_len, spec.kv_len, spec.num_heads):
+    return _empty_call(operands)
+  result = binding.attention(spec, plan, operands)
+  return result if spec.return_lse else (result, None)
 
 
 def residual_options(function: str, return_residual, residual_dtype,
@@ -303,12 +357,17 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
              causal_alignment="top_left", return_residual=False,
              q_segment_ids=None, kv_segment_ids=None, sinks=None,
              alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-             broadcast_dropout=False, block_table=None) -> DescribedCall:
+             broadcast_dropout=False, block_table=None, q_descale=None,
+             k_descale=None, v_descale=None, out_dtype=None
+             ) -> DescribedCall:
   """Validates `flash_attention`'s arguments (same names and meaning) and
   describes the call; raises ValueError for bad input."""
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   validation.check_operands(query, key, value,
                             same_batch=block_table is None)
+  descales, out_dtype = validation.check_fp8(
+      query, key, dict(q_descale=q_descale, k_descale=k_descale,
+                       v_descale=v_descale), out_dtype)
   block_table = validation.check_block_table(block_table, query, key)
   if block_table is not None:
     combined = [name for name, x in (
@@ -361,11 +420,13 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
       dropout_seeds=dropout.seeds(dropout_rng, batch, num_heads,
                                   bool(broadcast_dropout))
       if dropout_rate else None,
-      block_table=block_table)
+      block_table=block_table, q_descale=descales[0], k_descale=descales[1],
+      v_descale=descales[2])
   spec = describe_call(
       operands, scale=scale, is_causal=is_causal, bottom_right=bottom_right,
       window=window, logits_soft_cap=logits_soft_cap,
-      dropout_rate=dropout_rate, return_lse=return_residual)
+      dropout_rate=dropout_rate, return_lse=return_residual,
+      out_dtype=out_dtype)
   # Backend options; those set restrict the choice to backends that take
   # them (registry.plan).
   options = BackendOptions(block_sizes=block_sizes, interpret=interpret)

@@ -37,8 +37,9 @@ from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
 
 
-def _no_higher_order(fn, what: str):
-  """Wraps `fn` so that differentiating it raises a clear error."""
+def forward_only(fn, message: str):
+  """`fn`, whose derivative (forward or reverse mode, with respect to any
+  argument) raises NotImplementedError(message)."""
 
   @jax.custom_jvp
   def wrapped(*args):
@@ -47,12 +48,17 @@ def _no_higher_order(fn, what: str):
   @wrapped.defjvp
   def _jvp(primals, tangents):
     del primals, tangents
-    raise NotImplementedError(
-        f"jflash.flash_attention: {what} is not differentiable; higher-order"
-        " derivatives (e.g. grad of grad, or jvp of grad) are not supported."
-    )
+    raise NotImplementedError(message)
 
   return wrapped
+
+
+def _no_higher_order(fn, what: str):
+  """Wraps `fn` so that differentiating it raises a clear error."""
+  return forward_only(
+      fn, f"jflash.flash_attention: {what} is not differentiable; "
+      "higher-order derivatives (e.g. grad of grad, or jvp of grad) are not "
+      "supported.")
 
 
 # The layout names (sharding.py) of each pass's arguments and results.
@@ -169,8 +175,14 @@ def _unsharded(spec: CallSpec, plan: registry.Plan, partition: bool,
                operands: Operands):
   """The call on arrays that are (or act as) one shard."""
   backend = registry.get(plan.forward)
-  if plan.forward == plan.backward and backend.direct is not None:
-    return backend.direct(spec, plan.forward_config, operands)
+  if backend.direct is not None and (plan.forward == plan.backward
+                                     or backend.forward is None):
+    direct = functools.partial(backend.direct, spec, plan.forward_config)
+    if plan.backward is None:
+      # A backend that is one differentiable call (cudnn) serving a call
+      # no backward exists for (FP8): its autodiff must not run.
+      direct = forward_only(direct, plan.backward_error)
+    return direct(operands)
   return _attention_vjp(spec, plan, partition, operands)
 
 

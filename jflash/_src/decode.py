@@ -50,7 +50,9 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
                      local_window_size=None, logits_soft_cap=None,
                      sinks=None, alibi_slopes=None, return_residual=False,
                      residual_dtype=None, return_residuals=False,
-                     num_splits=None, implementation=None, interpret=False):
+                     num_splits=None, implementation=None, interpret=False,
+                     q_descale=None, k_descale=None, v_descale=None,
+                     out_dtype=None):
   """Attention of T = 1..16 new tokens per sequence to a KV cache.
 
   Shapes: B batch, T new tokens, N query heads, K kv heads (N % K == 0;
@@ -102,9 +104,14 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
       the split-K kernel, is deprecated (it names the training kernels in
       flash_attention).
     interpret: run the kernel through the Pallas interpreter.
+    q_descale, k_descale, v_descale, out_dtype: an FP8 query and cache, as
+      in flash_attention (descales float32, broadcastable to [B, K]). The
+      decode kernel has no FP8 path yet: the call runs dequantized to
+      bfloat16 (a paged cache gathered first), forward only.
 
   Returns:
-    out [B, T, N, H] in query's dtype; with return_residual, (out, lse).
+    out [B, T, N, H] in query's dtype (out_dtype for FP8); with
+    return_residual, (out, lse).
 
   Raises:
     ValueError: bad shapes, dtypes, lengths, block table or page size,
@@ -135,12 +142,14 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
       local_window_size=local_window_size, interpret=interpret,
       logits_soft_cap=logits_soft_cap, causal_alignment="bottom_right",
       return_residual=return_residual, sinks=sinks,
-      alibi_slopes=alibi_slopes, block_table=block_table)
+      alibi_slopes=alibi_slopes, block_table=block_table,
+      q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+      out_dtype=out_dtype)
   if num_splits is not None and _runs_decode(implementation, call):
     call = dataclasses.replace(call, options=dataclasses.replace(
         call.options, num_splits=num_splits))
   lse_dtype = validation.check_residual_dtype(
-      residual_dtype, query.dtype, return_residual)
+      residual_dtype, call.spec.output_dtype, return_residual)
   return api.run(call, implementation, lse_dtype)
 
 

@@ -20,6 +20,8 @@ from jax import lax
 import jax.numpy as jnp
 
 from jflash._src import api
+from jflash._src import fp8 as fp8_helpers
+from jflash._src import validation
 from jflash._src.api import BlockSizes
 
 
@@ -151,7 +153,8 @@ def flax_attention(
     query_seq_lengths=None, key_value_seq_lengths=None,
     implementation=None, block_sizes=None, interpret=False,
     logits_soft_cap=None, local_window_size=None, causal_alignment="top_left",
-    q_segment_ids=None, kv_segment_ids=None, sinks=None,
+    q_segment_ids=None, kv_segment_ids=None, sinks=None, fp8=False,
+    hadamard=False,
 ):
   """jflash attention for Flax layouts: [batch..., seq, heads, head_dim].
 
@@ -164,8 +167,13 @@ def flax_attention(
   dimensions and heads, as Flax's does. A dense `mask` (True = attend) and
   `bias` broadcast to [batch..., num_heads, q_len, kv_len], as in Flax; they
   are read tile by tile but skip no work, so prefer is_causal, the lengths
-  and the segment ids where they express the same mask.
+  and the segment ids where they express the same mask. `fp8=True`
+  (inference only) quantizes q, k and v with `jflash.quantize_qkv` (with
+  `hadamard`) and runs FP8 attention, the output in q's dtype (bfloat16
+  for FP8 or other dtypes FP8 attention does not output).
   """
+  if hadamard and not fp8:
+    raise ValueError("hadamard=True applies only with fp8=True.")
   if module is not None:
     raise NotImplementedError(
         "jflash attention cannot sow attention weights (sow_weights=True): "
@@ -211,11 +219,19 @@ def flax_attention(
 
   dense = {name: _flatten_dense(x, name, num_batch_dims, batch_shape)
            for name, x in (("mask", mask), ("bias", bias)) if x is not None}
+  arrays = [_flatten_batch(x, num_batch_dims) for x in (query, key, value)]
+  fp8_options = {}
+  if fp8:
+    out_dtype = jnp.dtype(query.dtype).name
+    if out_dtype not in validation.FP8_OUT_DTYPES:
+      out_dtype = "bfloat16"
+    *arrays, q_descale, k_descale, v_descale = fp8_helpers.quantize_qkv(
+        *arrays, hadamard=hadamard)
+    fp8_options = dict(q_descale=q_descale, k_descale=k_descale,
+                       v_descale=v_descale, out_dtype=out_dtype)
   out = api.flash_attention(
-      _flatten_batch(query, num_batch_dims),
-      _flatten_batch(key, num_batch_dims),
-      _flatten_batch(value, num_batch_dims),
-      **dense,
+      *arrays,
+      **dense, **fp8_options,
       is_causal=is_causal, implementation=implementation,
       block_sizes=block_sizes, interpret=interpret,
       logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
@@ -232,7 +248,8 @@ def module_attention(module, query, key, value, *, mask, masking,
   Args:
     module: a jflash Flax module; its `dropout_rate`, `broadcast_dropout`,
       `dtype`, `implementation`, `block_sizes`, `interpret`,
-      `logits_soft_cap` and `local_window_size` are passed on.
+      `logits_soft_cap`, `local_window_size`, `fp8` and `hadamard` are
+      passed on.
     query, key, value: [batch..., seq, heads, head_dim], projected.
     mask: the call's dense mask, or None.
     masking: `is_causal` (and `causal_alignment` in decode steps).
@@ -254,7 +271,8 @@ def module_attention(module, query, key, value, *, mask, masking,
       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       implementation=module.implementation, block_sizes=module.block_sizes,
       interpret=module.interpret, logits_soft_cap=module.logits_soft_cap,
-      local_window_size=module.local_window_size)
+      local_window_size=module.local_window_size, fp8=module.fp8,
+      hadamard=module.hadamard)
 
 
 def make_attention_fn(
@@ -264,6 +282,8 @@ def make_attention_fn(
     interpret: bool = False,
     logits_soft_cap: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    fp8: bool = False,
+    hadamard: bool = False,
 ) -> Callable[..., jax.Array]:
   """Returns an `attention_fn` for Flax's attention modules.
 
@@ -280,6 +300,13 @@ def make_attention_fn(
     interpret: as in `jflash.flash_attention`.
     logits_soft_cap: as in `jflash.flash_attention`.
     local_window_size: as in `jflash.flash_attention`.
+    fp8: inference only: quantize q, k and v to float8_e4m3fn
+      (`jflash.quantize_qkv`, one scale per batch element and kv head) and
+      run FP8 attention (`jflash.flash_attention`'s FP8 section); the
+      output keeps the inputs' dtype. Differentiating raises
+      NotImplementedError: leave it off for training.
+    hadamard: with fp8, rotate q and k by a Hadamard transform before
+      quantizing (`jflash.hadamard`; head dim a power of two).
 
   Returns:
     A function with Flax's `dot_product_attention` signature. `precision` is
@@ -325,6 +352,6 @@ def make_attention_fn(
         module=module, dtype=dtype, implementation=implementation,
         block_sizes=block_sizes,
         interpret=interpret, logits_soft_cap=logits_soft_cap,
-        local_window_size=local_window_size)
+        local_window_size=local_window_size, fp8=fp8, hadamard=hadamard)
 
   return attention_fn

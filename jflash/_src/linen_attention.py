@@ -24,7 +24,12 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   head, zeros at init; see `jflash.flash_attention`). Attention dropout
   works as in the stock module (`dropout_rate`, `broadcast_dropout`,
   `deterministic`, the `dropout` rng or `dropout_rng`), with jflash's
-  in-kernel masks (same distribution, other bits than Flax's).
+  in-kernel masks (same distribution, other bits than Flax's). `fp8=True`
+  (inference only: leave it off for training, differentiating raises
+  NotImplementedError) quantizes q, k and v to float8_e4m3fn per batch
+  element and kv head and runs FP8 attention (`jflash.flash_attention`'s
+  FP8 section), with `hadamard=True` rotating q and k first
+  (`jflash.quantize_qkv`); parameters and the cache keep their dtypes.
 
   Differences from the stock module:
   - `__call__` also takes `is_causal`, `query_seq_lengths` /
@@ -45,6 +50,8 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   logits_soft_cap: float | None = None
   local_window_size: int | tuple[int, int] | None = None
   use_sinks: bool = False
+  fp8: bool = False
+  hadamard: bool = False
 
   @nn.compact
   def __call__(

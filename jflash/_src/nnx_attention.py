@@ -24,7 +24,13 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
   In decode steps the window applies to the cached positions: the new token
   at position p sees [p - left, p]. `use_sinks=True` adds a learnable
   `sinks` parameter, one attention-sink logit per head (zeros at init; see
-  `jflash.flash_attention`'s `sinks`).
+  `jflash.flash_attention`'s `sinks`). `fp8=True` (inference only: leave
+  it off for training, differentiating raises NotImplementedError)
+  quantizes q, k and v to float8_e4m3fn per batch element and kv head and
+  runs FP8 attention (`jflash.flash_attention`'s FP8 section), with
+  `hadamard=True` rotating q and k first (`jflash.quantize_qkv`); the
+  parameters and the decode cache keep their dtypes (a decode step
+  quantizes the cache it reads).
 
   Attention dropout works as in the stock module (`dropout_rate`,
   `broadcast_dropout`, `deterministic`, the `dropout` rng stream), with
@@ -59,6 +65,8 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       logits_soft_cap: float | None = None,
       local_window_size: int | tuple[int, int] | None = None,
       use_sinks: bool = False,
+      fp8: bool = False,
+      hadamard: bool = False,
       **kwargs: Any,
   ):
     if "attention_fn" in kwargs:
@@ -73,13 +81,16 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
         attention_fn=flax_adapter.make_attention_fn(
             implementation=implementation, block_sizes=block_sizes,
             interpret=interpret, logits_soft_cap=logits_soft_cap,
-            local_window_size=local_window_size),
+            local_window_size=local_window_size, fp8=fp8,
+            hadamard=hadamard),
         **kwargs)
     self.implementation = implementation
     self.block_sizes = block_sizes
     self.interpret = interpret
     self.logits_soft_cap = logits_soft_cap
     self.local_window_size = local_window_size
+    self.fp8 = fp8
+    self.hadamard = hadamard
     self.sinks = (nnx.Param(jnp.zeros((num_heads,), self.param_dtype))
                   if use_sinks else None)
 

@@ -14,6 +14,14 @@ runs a pass of a call is decided here, once, before anything is traced:
 
 `jflash.implementations()` lists the backends and their capabilities.
 
+FP8 calls (q, k, v in an FP8 dtype with their descales, spec.py) are
+decided here too, once: a backend that lists the call's FP8 dtype in its
+`Capabilities.dtypes` runs it natively (its forward receives the FP8
+operands, the descales and `spec.out_dtype`); any other backend is judged,
+configured and run on `CallSpec.dequantized()` (`runs_as`), and the plan
+says so (`Plan.dequantize`): api.py then dequantizes the operands before
+the binding. No backend has an FP8 backward.
+
 Forward functions return (out, lse2) with lse2 the base-2 log-sum-exp,
 float32 [batch, num_heads, q_len] (numerics.py); backward functions take
 that residual, so any forward pairs with any backward.
@@ -30,6 +38,7 @@ import jax
 from jflash._src import platform
 from jflash._src.spec import BackendOptions
 from jflash._src.spec import CallSpec
+from jflash._src.spec import FP8_DTYPES
 from jflash._src.tuning import route
 from jflash._src.tuning.space import TuningSpace
 
@@ -43,6 +52,27 @@ PASSES = (FORWARD, BACKWARD)
 MASK_FEATURES = ("causal", "bottom_right", "window", "lengths", "segments",
                  "dense_mask", "paged")
 OPTIONS = ("bias", "soft_cap", "sinks", "alibi", "dropout", "return_lse")
+
+
+# Why differentiating an FP8 call raises (api.run, `Plan.backward_error`).
+FP8_FORWARD_ONLY = (
+    "jflash.flash_attention: FP8 attention has a forward pass only (for "
+    "inference): an FP8 call cannot be differentiated, with respect to any "
+    "argument (the descales included). Train with 16-bit inputs and "
+    "quantize for inference.")
+
+
+def runs_natively(backend: Backend, spec: CallSpec) -> bool:
+  """Whether `backend` takes the call's dtype as is (always for non-FP8
+  calls; for an FP8 call, whether its capabilities list the FP8 dtype)."""
+  return not spec.is_fp8 or spec.dtype in backend.capabilities.dtypes
+
+
+def runs_as(backend: Backend, spec: CallSpec) -> CallSpec:
+  """The call as `backend` runs it: an FP8 call on a backend without FP8
+  kernels (`runs_natively` is False) runs dequantized
+  (`CallSpec.dequantized`); every other call as it is."""
+  return spec if runs_natively(backend, spec) else spec.dequantized()
 
 
 def call_features(spec: CallSpec) -> tuple[frozenset[str], frozenset[str]]:
@@ -240,9 +270,16 @@ def unsupported_reason(backend: Backend, spec: CallSpec, pass_: str,
   reason = unavailable_reason(backend, bool(options.get("interpret", False)))
   if reason is not None:
     return reason
+  if spec.is_fp8 and pass_ == BACKWARD:
+    # FP8 serves inference: no backend differentiates an FP8 call (api.run
+    # raises FP8_FORWARD_ONLY).
+    return f"{name} has no backward pass for FP8 inputs ({spec.dtype})."
+  given_dtype, spec = spec.dtype, runs_as(backend, spec)
   if spec.dtype not in caps.dtypes:
+    via = ("" if spec.dtype == given_dtype else
+           f" (it would run the {given_dtype} call dequantized)")
     return (f"{name} supports dtypes {', '.join(caps.dtypes)}; got "
-            f"{spec.dtype}.")
+            f"{spec.dtype}{via}.")
   if caps.max_head_dim is not None and spec.head_dim > caps.max_head_dim:
     return (f"{name} supports head_dim <= {caps.max_head_dim}; got "
             f"head_dim={spec.head_dim}.")
@@ -274,6 +311,9 @@ class Plan:
 
   `backward` is None when the named implementation cannot run the backward
   pass of the call: differentiating it raises `backward_error`.
+  `dequantize`: the forward backend has no kernels for the call's FP8
+  dtype; it runs `CallSpec.dequantized()` (its configuration is for that
+  spec) on `fp8.dequantize_operands`.
   """
 
   forward: str
@@ -281,6 +321,7 @@ class Plan:
   backward: str | None
   backward_config: Any
   backward_error: str | None = None
+  dequantize: bool = False
 
 
 def plan(spec: CallSpec, implementation: str | None,
@@ -319,6 +360,10 @@ def plan(spec: CallSpec, implementation: str | None,
   chosen = {}
   backward_error = None
   for pass_ in PASSES:
+    if pass_ == BACKWARD and spec.is_fp8:
+      # Every backend says so (`unsupported_reason`); one message for all.
+      chosen[pass_], backward_error = None, FP8_FORWARD_ONLY
+      continue
     if implementation is not None:
       reason = unsupported_reason(candidates[0], spec, pass_, given)
       error = reason and (
@@ -363,12 +408,14 @@ def plan(spec: CallSpec, implementation: str | None,
   for backend in chosen.values():
     if backend is not None:
       # Every option set is the backend's own (`takes`).
-      configs[backend.name] = backend.configure(spec, **given)
+      configs[backend.name] = backend.configure(runs_as(backend, spec),
+                                                **given)
   backward = chosen[BACKWARD] and chosen[BACKWARD].name
   return Plan(forward=chosen[FORWARD].name,
               forward_config=configs[chosen[FORWARD].name],
               backward=backward, backward_config=configs[backward],
-              backward_error=backward_error)
+              backward_error=backward_error,
+              dequantize=not runs_natively(chosen[FORWARD], spec))
 
 
 def _first_supporting(backends, spec, pass_, options):
@@ -388,8 +435,8 @@ class Implementations(list):
   dims, arguments), then its masks and options and its own limits."""
 
   _COLUMNS = (("name", "backend"), ("here", "here"), ("passes", "passes"),
-              ("dtypes", "dtypes"), ("head_dims", "head dims"),
-              ("arguments", "arguments"))
+              ("dtypes", "dtypes"), ("fp8", "fp8"),
+              ("head_dims", "head dims"), ("arguments", "arguments"))
 
   @staticmethod
   def _here(entry) -> str:
@@ -404,7 +451,7 @@ class Implementations(list):
   def __str__(self) -> str:
     rows = [dict(
         name=e["name"], here=self._here(e), passes=" + ".join(e["passes"]),
-        dtypes=" ".join(e["dtypes"]),
+        dtypes=" ".join(e["dtypes"]), fp8=e["fp8"],
         head_dims=("any" if e["max_head_dim"] is None
                    else f"<= {e['max_head_dim']}"),
         arguments=", ".join(e["arguments"]) or "-") for e in self]
@@ -437,9 +484,11 @@ def implementations() -> Implementations:
     "fallback": only for what no default backend runs, "named only");
     "default_here": available and "default"; "arguments": the
     backend-specific keyword arguments of `flash_attention` it takes;
-    "limits": its own limits in words; and its capabilities ("passes",
-    "dtypes", "max_head_dim", "mask_features", "options", "platforms",
-    "interpretable").
+    "limits": its own limits in words; "fp8": how it runs FP8 calls'
+    forward, "native" (its kernels take the FP8 dtypes listed in "dtypes")
+    or "dequantized" (to `spec.DEQUANTIZED_DTYPE`, then its usual kernels);
+    and its capabilities ("passes", "dtypes", "max_head_dim",
+    "mask_features", "options", "platforms", "interpretable").
   """
   result = Implementations()
   for name in names():
@@ -451,6 +500,8 @@ def implementations() -> Implementations:
         name=name, available=reason is None, unavailable_reason=reason,
         role_here=role, default_here=reason is None and role == DEFAULT,
         arguments=sorted(backend.option_names), limits=backend.limits,
+        fp8=("native" if set(FP8_DTYPES) & set(caps.dtypes)
+             else "dequantized"),
         passes=sorted(caps.passes, key=PASSES.index),
         dtypes=list(caps.dtypes), max_head_dim=caps.max_head_dim,
         mask_features=sorted(caps.mask_features, key=MASK_FEATURES.index),

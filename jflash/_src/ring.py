@@ -39,6 +39,7 @@ from jflash._src import modifiers
 from jflash._src import registry
 from jflash._src import ring_loop
 from jflash._src.spec import CallSpec
+from jflash._src.spec import FP8_DTYPES
 from jflash._src.spec import Operands
 from jflash._src.spec import describe_call
 
@@ -567,6 +568,13 @@ def _check_options(name: str, arguments: dict[str, Any]):
   if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
     raise ValueError(f"dropout_rate must be a float in [0, 1); got "
                      f"{rate!r}.")
+  dtype = jnp.result_type(arguments["query"])
+  if jnp.dtype(dtype).name in FP8_DTYPES:
+    raise NotImplementedError(
+        f"jflash.{name}: FP8 inputs ({jnp.dtype(dtype).name}) are not "
+        "supported with a sharded sequence (the blocks' descales are not "
+        "passed through the ring); use jflash.flash_attention, or 16-bit "
+        "inputs.")
   for option, reason in _UNSUPPORTED.items():
     value = arguments[option]
     if value is None or (option == "dropout_rate" and value == 0.0):

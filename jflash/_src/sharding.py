@@ -65,6 +65,8 @@ _LAYOUTS = {
     "q_segment_ids": "bt", "kv_segment_ids": "bs",
     "bias": "bnts", "mask": "bnts",
     "sinks": "bn", "alibi_slopes": "bn", "dropout_seeds": "bn2",
+    # FP8 descales, per (batch, kv head): sharded like the kv heads.
+    "q_descale": "bk", "k_descale": "bk", "v_descale": "bk",
     "out": "btnh", "lse2": "bnt", "dout": "btnh", "dlse": "bnt",
     "lse": "btn",  # The natural lse returned to the user.
 }

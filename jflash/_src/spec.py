@@ -26,6 +26,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+# FP8 dtypes a call may take (q, k and v all of one): the real value of an
+# element is its FP8 value times its (batch, kv head)'s descale.
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# The output dtype of an FP8 call without out_dtype (FlashAttention-3's).
+FP8_OUT_DTYPE = "bfloat16"
+# What a backend without FP8 kernels computes an FP8 call in, on dequantized
+# inputs (registry.plan decides where): bfloat16, the 16-bit kernels' dtype
+# on a GPU. An FP8 value times its float32 descale rounds to bfloat16 with a
+# relative error of at most 2^-9, small next to e4m3's own 2^-4. The CPU
+# (xla, the interpreted Triton kernels) computes in bfloat16 too, so the CPU
+# suite checks the numerics a GPU runs.
+DEQUANTIZED_DTYPE = "bfloat16"
+
 
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
@@ -115,6 +128,13 @@ class Operands:
     dropout_seeds: uint32 [B, N, 2] (dropout.seeds).
     block_table: int32 [B, max_pages]: sequence b's position p lives in
       page block_table[b, p // page_size] at row p % page_size.
+    q_descale: float32 [B, K], with FP8 q/k/v only (`CallSpec.is_fp8`):
+      the real value of query[b, t, n, :] is its FP8 value times
+      q_descale[b, n // (N // K)] (one scale per kv head's group of query
+      heads, FlashAttention-3's convention).
+    k_descale: float32 [B, K]: key[b, s, k, :] is scaled by k_descale[b, k]
+      (paged: the pages sequence b reads through its table).
+    v_descale: float32 [B, K], as k_descale for value.
   """
 
   query: jax.Array
@@ -130,6 +150,9 @@ class Operands:
   alibi_slopes: jax.Array | None = None
   dropout_seeds: jax.Array | None = None
   block_table: jax.Array | None = None
+  q_descale: jax.Array | None = None
+  k_descale: jax.Array | None = None
+  v_descale: jax.Array | None = None
 
   @property
   def kv_seq(self) -> int:
@@ -161,13 +184,16 @@ class CallSpec:
 
   Attributes:
     batch, q_len, kv_len, num_heads, num_kv_heads, head_dim: B, T, S, N, K, H.
-    dtype: the name of q/k/v's dtype, e.g. "bfloat16".
+    dtype: the name of q/k/v's dtype, e.g. "bfloat16", or an FP8 dtype of
+      `FP8_DTYPES` (then the operands carry the three descales).
     scale: logit scale (natural units).
     mask: the mask description.
     logits_soft_cap: cap of `cap * tanh(logit / cap)`, or None.
     has_bias: whether a dense bias is added to the logits.
     modifiers: sinks, ALiBi, dropout.
     return_lse: whether the call also returns the natural-log lse.
+    out_dtype: the name of the output's dtype, set for FP8 calls only
+      (default "bfloat16"); None: the inputs' dtype.
   """
 
   batch: int
@@ -183,11 +209,31 @@ class CallSpec:
   has_bias: bool = False
   modifiers: ModifierSpec = ModifierSpec()
   return_lse: bool = False
+  out_dtype: str | None = None
 
   @property
   def group(self) -> int:
     """Query heads per key/value head (GQA group size)."""
     return self.num_heads // self.num_kv_heads
+
+  @property
+  def is_fp8(self) -> bool:
+    """Whether q, k and v are FP8 (scaled by the operands' descales)."""
+    return self.dtype in FP8_DTYPES
+
+  @property
+  def output_dtype(self) -> str:
+    """The name of the output's dtype."""
+    return self.out_dtype or self.dtype
+
+  def dequantized(self) -> CallSpec:
+    """This FP8 call as a backend without FP8 kernels runs it: q, k and v
+    dequantized to `DEQUANTIZED_DTYPE` (a paged cache gathered into a dense
+    one first, since a page has no batch element whose descale it could
+    take), the output in that dtype (`fp8.dequantize_operands`)."""
+    return dataclasses.replace(
+        self, dtype=DEQUANTIZED_DTYPE, out_dtype=None,
+        mask=dataclasses.replace(self.mask, paged=False))
 
 
 def describe_call(operands: Operands, *, scale: float, is_causal: bool,
@@ -195,15 +241,28 @@ def describe_call(operands: Operands, *, scale: float, is_causal: bool,
                   window: tuple[int, int] | None = None,
                   logits_soft_cap: float | None = None,
                   dropout_rate: float = 0.0,
-                  return_lse: bool = False) -> CallSpec:
+                  return_lse: bool = False,
+                  out_dtype: str | None = None) -> CallSpec:
   """The call's spec; every presence flag is read off `operands` here.
 
+  Args:
+    out_dtype: the output dtype's name for FP8 operands (default
+      "bfloat16"); must be None otherwise.
+
   Raises:
-    ValueError: if the dropout rate and the presence of seeds disagree.
+    ValueError: if the dropout rate and the presence of seeds disagree, or
+      FP8 operands and descales (or out_dtype) do not go together.
   """
   if (dropout_rate > 0.0) != (operands.dropout_seeds is not None):
     raise ValueError(f"dropout_rate={dropout_rate} needs dropout seeds, and "
                      "seeds need a positive rate.")
+  dtype = jnp.dtype(operands.query.dtype).name
+  descales = (operands.q_descale, operands.k_descale, operands.v_descale)
+  fp8 = dtype in FP8_DTYPES
+  if any((d is None) == fp8 for d in descales) or (
+      out_dtype is not None and not fp8):
+    raise ValueError(f"{dtype} operands take the three descales (and "
+                     "out_dtype) if and only if they are FP8.")
   batch, q_len, num_heads, head_dim = operands.query.shape
   kv_len, num_kv_heads = operands.kv_seq, operands.key.shape[2]
   # The alignment matters only where positions do (one spec otherwise).
@@ -223,10 +282,11 @@ def describe_call(operands: Operands, *, scale: float, is_causal: bool,
   return CallSpec(
       batch=batch, q_len=q_len, kv_len=kv_len, num_heads=num_heads,
       num_kv_heads=num_kv_heads, head_dim=head_dim,
-      dtype=jnp.dtype(operands.query.dtype).name, scale=float(scale),
+      dtype=dtype, scale=float(scale),
       mask=mask, logits_soft_cap=logits_soft_cap,
       has_bias=operands.bias is not None, modifiers=modifiers,
-      return_lse=bool(return_lse))
+      return_lse=bool(return_lse),
+      out_dtype=(out_dtype or FP8_OUT_DTYPE) if fp8 else None)
 
 
 @dataclasses.dataclass(frozen=True)

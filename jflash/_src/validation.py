@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jflash._src.spec import FP8_DTYPES
+
 
 def check_operands(query, key, value, *, same_batch: bool = True):
   """Validates q, k, v: ranks, shapes, the GQA head ratio, one dtype.
@@ -41,10 +43,14 @@ def check_operands(query, key, value, *, same_batch: bool = True):
         f"The number of query heads ({num_heads}) must be a multiple of the "
         f"number of key/value heads ({num_kv_heads}); got {shapes}.")
   if not query.dtype == key.dtype == value.dtype:
+    fp8 = any(jnp.dtype(x.dtype).name in FP8_DTYPES
+              for x in (query, key, value))
     raise ValueError(
         f"query, key and value must have the same dtype; got "
         f"query.dtype={query.dtype}, key.dtype={key.dtype}, "
-        f"value.dtype={value.dtype}.")
+        f"value.dtype={value.dtype}."
+        + (" FP8 attention takes all three in FP8 (jflash.quantize_qkv "
+           "quantizes them together)." if fp8 else ""))
   head_dim = query.shape[-1]
   if head_dim == 0:
     raise ValueError(f"head_dim must be positive; got {shapes}.")
@@ -301,6 +307,92 @@ def check_soft_cap(logits_soft_cap) -> float | None:
                      f"{logits_soft_cap!r}.")
   return soft_cap
 
+
+
+# The output dtypes an FP8 call may ask for.
+FP8_OUT_DTYPES = ("bfloat16", "float16", "float32")
+DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def check_fp8(query, key, descales: dict, out_dtype):
+  """Validates the FP8 options of a call on q/k/v of one dtype.
+
+  Args:
+    query, key: the call's (possibly unbatched, or paged) operands.
+    descales: {"q_descale": ..., "k_descale": ..., "v_descale": ...}, each
+      None or array-like.
+    out_dtype: the output dtype asked for, or None.
+
+  Returns:
+    (descales, out_dtype): for FP8 inputs the three descales as float32
+    [B, K] (B = 1 for unbatched inputs) and out_dtype's name or None (the
+    default); for other inputs (None, None, None) and None.
+
+  Raises:
+    ValueError: FP8 inputs without all three descales; descales or an
+      out_dtype other than the inputs' dtype with other inputs; a descale
+      that is not a float array broadcastable to [B, K] ([K] unbatched:
+      rank 0 or 1) or, batched, of rank 1 (ambiguous: use [1, K] or
+      [B, 1]); an out_dtype outside FP8_OUT_DTYPES.
+  """
+  dtype = jnp.dtype(query.dtype).name
+  if dtype not in FP8_DTYPES:
+    given = [name for name in DESCALES if descales[name] is not None]
+    if given:
+      raise ValueError(
+          f"{', '.join(given)} scale FP8 inputs ({', '.join(FP8_DTYPES)}) "
+          f"only; got query.dtype={dtype}.")
+    if out_dtype is not None and _dtype_name(out_dtype, "out_dtype") != dtype:
+      raise ValueError(
+          f"out_dtype applies to FP8 inputs; the output of {dtype} inputs "
+          f"is {dtype}: pass out_dtype=None; got out_dtype={out_dtype!r}.")
+    return (None, None, None), None
+  batched = query.ndim == 4
+  batch = query.shape[0] if batched else 1
+  num_kv_heads = key.shape[-2]
+  full = (batch, num_kv_heads) if batched else (num_kv_heads,)
+  expected = (f"[batch, num_kv_heads] = {full}" if batched
+              else f"[num_kv_heads] = {full} (unbatched inputs)")
+  missing = [name for name in DESCALES if descales[name] is None]
+  if missing:
+    raise ValueError(
+        f"FP8 inputs (query.dtype={dtype}) need q_descale, k_descale and "
+        f"v_descale, float32 arrays broadcastable to {expected}; missing: "
+        f"{', '.join(missing)}. jflash.quantize_qkv returns all three.")
+  result = []
+  for name in DESCALES:
+    descale = jnp.asarray(descales[name])
+    ranks = (0, 2) if batched else (0, 1)
+    if (descale.ndim not in ranks or any(
+        d not in (1, f) for d, f in zip(descale.shape, full[-descale.ndim:]
+                                        if descale.ndim else ()))):
+      hint = (" (a rank-1 descale is ambiguous for batched inputs: pass "
+              "[1, num_kv_heads] or [batch, 1])"
+              if batched and descale.ndim == 1 else "")
+      raise ValueError(
+          f"{name} must be a scalar or broadcastable to {expected}{hint}; "
+          f"got {name}.shape={descale.shape} (query.shape={query.shape}, "
+          f"key.shape={key.shape}).")
+    if not jnp.issubdtype(descale.dtype, jnp.floating):
+      raise ValueError(f"{name} must be a float array (cast to float32); "
+                       f"got {name}.dtype={descale.dtype}.")
+    descale = jnp.broadcast_to(descale.astype(jnp.float32), full)
+    result.append(descale if batched else descale[None])
+  if out_dtype is not None:
+    out_dtype = _dtype_name(out_dtype, "out_dtype")
+    if out_dtype not in FP8_OUT_DTYPES:
+      raise ValueError(f"out_dtype of FP8 attention must be one of "
+                       f"{FP8_OUT_DTYPES} or None (bfloat16); got "
+                       f"out_dtype={out_dtype}.")
+  return tuple(result), out_dtype
+
+
+def _dtype_name(dtype, name: str) -> str:
+  try:
+    return jnp.dtype(dtype).name
+  except TypeError as e:
+    raise ValueError(f"{name} must be a dtype or None; got {dtype!r}."
+                     ) from e
 
 
 def check_residual_dtype(residual_dtype, input_dtype,
