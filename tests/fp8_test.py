@@ -27,6 +27,7 @@ import jflash.linen
 import jflash.nnx
 from jflash._src import api
 from jflash._src import fp8
+from jflash._src import platform
 from jflash._src import registry
 from jflash._src import sharding
 from jflash._src.backends import xla as xla_backend
@@ -381,8 +382,31 @@ class Fp8DispatchTest(parameterized.TestCase):
   def test_implementations_say_how_each_backend_runs_fp8(self):
     listing = jflash.implementations()
     self.assertEqual({e["name"]: e["fp8"] for e in listing},
-                     {name: "dequantized" for name in registry.names()})
+                     {name: "native" if name == "mosaic" else "dequantized"
+                      for name in registry.names()})
     self.assertIn("dequantized", str(listing))
+
+  def test_hopper_runs_e4m3_natively_on_mosaic(self):
+    # On a Hopper GPU (mocked): the Mosaic FP8 forward takes e4m3 calls as
+    # they are; e5m2 (no kernel) runs dequantized on the 16-bit Mosaic
+    # kernels; a float32 out_dtype (the FP8 kernel writes 16 bits, and
+    # mosaic takes e4m3 natively or not at all) on the next backend.
+    q8, k8, v8, qd, kd, vd = _fp8_inputs(15, q_len=64, kv_len=64,
+                                         head_dim=64)
+    with mock.patch.object(registry, "current_platform",
+                           return_value="cuda"), mock.patch.object(
+                               platform, "cuda_compute_capability",
+                               return_value="9.0"):
+      for dtype, out_dtype, backend, native in (
+          ("float8_e4m3fn", None, "mosaic", True),
+          ("float8_e5m2", None, "mosaic", False),
+          ("float8_e4m3fn", jnp.float32, "triton", False)):
+        call = api.describe(q8.astype(dtype), k8.astype(dtype),
+                            v8.astype(dtype), out_dtype=out_dtype,
+                            **_descales(qd, kd, vd))
+        plan = registry.plan(call.spec, None, call.options)
+        self.assertEqual((plan.forward, plan.dequantize),
+                         (backend, not native), msg=f"{dtype}, {out_dtype}")
 
   @parameterized.parameters(("float8_e4m3fn", "float8_e4m3fn"),
                             ("float8_e5m2", "bfloat16"))

@@ -64,6 +64,52 @@ class MosaicLoweringTest(parameterized.TestCase):
             block_kv=64, num_stages=3, block_kv_dq=128, block_q_dkv=128,
             backward_stages=2))
 
+  @parameterized.named_parameters(
+      ("d128_gqa_causal_lengths_sinks", (2, 200, 300, 4, 2, 128),
+       dict(is_causal=True, has_lengths=True), None, True),
+      ("d64_window_soft_cap", (1, 256, 256, 2, 2, 64),
+       dict(is_causal=True, window=(100, 0)), 20.0, False),
+      ("d256_segments_bottom_right", (1, 100, 300, 2, 1, 256),
+       dict(is_causal=True, bottom_right=True, has_segments=True), None,
+       False),
+  )
+  def test_fp8_forward_lowers_for_cuda(self, shape, mask_options, soft_cap,
+                                       sinks):
+    # float8_e4m3fn q/k/v with [B, K] descales: the FP8 variant of the
+    # forward kernel at its default tiles; a bfloat16 output.
+    batch, q_len, kv_len, heads, kv_heads, head_dim = shape
+    fp8 = "float8_e4m3fn"
+    spec = CallSpec(batch=batch, q_len=q_len, kv_len=kv_len,
+                    num_heads=heads, num_kv_heads=kv_heads,
+                    head_dim=head_dim, dtype=fp8, scale=head_dim**-0.5,
+                    mask=MaskSpec(**{"has_lengths": False, **mask_options}),
+                    logits_soft_cap=soft_cap,
+                    modifiers=ModifierSpec(has_sinks=sinks),
+                    out_dtype="bfloat16")
+    self.assertIsNone(mosaic_backend.check(spec, "forward"))
+    config = mosaic_backend.BACKEND.configure(spec)
+    sds = jax.ShapeDtypeStruct
+    ids = lambda length: (sds((batch, length), jnp.int32)
+                          if spec.mask.has_segments else None)
+    lengths = sds((batch,), jnp.int32) if spec.mask.has_lengths else None
+    operands = Operands(
+        query=sds((batch, q_len, heads, head_dim), fp8),
+        key=sds((batch, kv_len, kv_heads, head_dim), fp8),
+        value=sds((batch, kv_len, kv_heads, head_dim), fp8),
+        q_lengths=lengths, kv_lengths=lengths,
+        q_segment_ids=ids(q_len), kv_segment_ids=ids(kv_len),
+        sinks=sds((batch, heads), jnp.float32) if sinks else None,
+        q_descale=sds((batch, kv_heads), jnp.float32),
+        k_descale=sds((batch, kv_heads), jnp.float32),
+        v_descale=sds((batch, kv_heads), jnp.float32))
+    text, (out, lse2) = _lower(
+        lambda ops: mosaic_backend.forward(spec, config, ops), operands)
+    self.assertIn("mosaic_gpu", text)
+    self.assertEqual((out.shape, out.dtype),
+                     ((batch, q_len, heads, head_dim), jnp.bfloat16))
+    self.assertEqual((lse2.shape, lse2.dtype),
+                     ((batch, heads, q_len), jnp.float32))
+
   def _check_lowering(self, name, shape, dtype, mask_options, soft_cap,
                       block_sizes=None):
     batch, q_len, kv_len, heads, kv_heads, head_dim = shape

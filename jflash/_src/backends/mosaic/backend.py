@@ -28,7 +28,9 @@ from jflash._src.spec import Operands
 
 CAPABILITIES = registry.Capabilities(
     passes=frozenset(registry.PASSES),
-    dtypes=("bfloat16", "float16"),
+    # float8_e4m3fn: the forward only (FP8 calls have no backward pass,
+    # registry.unsupported_reason), forward.py's FP8 kernel.
+    dtypes=("bfloat16", "float16", "float8_e4m3fn"),
     max_head_dim=256,
     mask_features=frozenset({"causal", "bottom_right", "window", "lengths",
                              "segments", "paged"}),
@@ -36,6 +38,8 @@ CAPABILITIES = registry.Capabilities(
     platforms=frozenset({"cuda"}),
 )
 HEAD_DIMS = (64, 128, 256)
+# The output dtypes of the FP8 forward (its output tile is 16-bit).
+FP8_OUT_DTYPES = ("bfloat16", "float16")
 COMPUTE_CAPABILITY = "9.0"  # Hopper: wgmma, TMA, setmaxnreg.
 
 
@@ -58,16 +62,25 @@ def check(spec: CallSpec, pass_: str) -> str | None:
   if spec.mask.bottom_right and not spec.mask.is_causal:
     return ("mosaic supports causal_alignment='bottom_right' only with "
             "is_causal=True.")
+  if spec.is_fp8 and spec.output_dtype not in FP8_OUT_DTYPES:
+    return (f"mosaic's FP8 forward writes out_dtype in "
+            f"{{{', '.join(FP8_OUT_DTYPES)}}}; got {spec.output_dtype}.")
   return None
 
 
 def forward(spec: CallSpec, config: MosaicConfig, operands: Operands):
-  """(out, lse2): the warp-specialized forward kernel. Its TMA loads read
-  dense tiles: a paged cache is gathered into a dense one first
-  (paged.py)."""
+  """(out, lse2): the warp-specialized forward kernel (FP8 inputs: its FP8
+  variant, with the operands' descales). Its TMA loads read dense tiles: a
+  paged cache is gathered into a dense one first (paged.py)."""
+  fp8 = None
+  if spec.is_fp8:
+    fp8 = dict(fp8_descales=(operands.q_descale, operands.k_descale,
+                             operands.v_descale),
+               out_dtype=jnp.dtype(spec.output_dtype))
   return forward_kernels.forward_call(paged.dense_operands(operands),
                                       spec=spec,
-                                      block_sizes=config.block_sizes)
+                                      block_sizes=config.block_sizes,
+                                      **(fp8 or {}))
 
 
 def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,
@@ -103,7 +116,9 @@ BACKEND = registry.Backend(
     check=check,
     limits=(f"head dims {', '.join(map(str, HEAD_DIMS))}; compute "
             f"capability {COMPUTE_CAPABILITY} (Hopper); bottom_right only "
-            "when causal; paged caches gathered, in the forward pass only"),
+            "when causal; paged caches gathered, in the forward pass only; "
+            "float8_e4m3fn in the forward pass only, out_dtype bfloat16 or "
+            "float16"),
     unavailable=unavailable,
     tuning=tuning.SPACE,
 )
