@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import sys
 import time
 
@@ -69,7 +68,8 @@ def fp8_call(q8, k8, v8, descales, *, block_sizes, sinks=None, q_lengths=None,
   operands = Operands(
       q8, k8, v8, q_lengths=q_lengths, kv_lengths=kv_lengths, sinks=sinks,
       q_segment_ids=None if segment_ids is None else segment_ids[0],
-      kv_segment_ids=None if segment_ids is None else segment_ids[1])
+      kv_segment_ids=None if segment_ids is None else segment_ids[1],
+      q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
   spec = describe_call(operands, scale=q8.shape[-1] ** -0.5, **options)
   return forward.forward_call(operands, spec=spec, block_sizes=block_sizes,
                               fp8_descales=descales)
