@@ -150,7 +150,7 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
       triton_decode.decode_call(
           rows_of(q_packed, start), key, value, lengths,
           rows_of(slopes_packed, start), block_table, q_lengths,
-          qk_descale, v_descale, mask=mask,
+          qk_descale=qk_descale, v_descale=v_descale, mask=mask,
           scale=scale, soft_cap=soft_cap, num_tokens=num_tokens, group=group,
           num_splits=num_splits, block_k=plan.launch.block_k,
           num_warps=plan.launch.num_warps,
