@@ -4,6 +4,7 @@ Usage (repo root, H100/H200):
   PYTHONPATH=. python3 benchmarks/fp8.py check [--json F]
   PYTHONPATH=. python3 benchmarks/fp8.py time [--json F] [--quick]
   PYTHONPATH=. python3 benchmarks/fp8.py accuracy [--json F]
+  PYTHONPATH=. python3 benchmarks/fp8.py sweep [--json F]
 
 check: per case (head dims 64/128/256, masks, GQA, ragged lengths, sinks,
   soft cap, tiles), the kernel against the exact XLA model of its
@@ -16,6 +17,8 @@ time: B=1, 16 heads, 16k tokens (FlashAttention-3's FP8 setting), D = 64,
   timed from e4m3 q/k/v and descales as a user passes them (V's transpose
   included), beside cuDNN bf16 and jflash bf16 in the same process.
   TFLOP/s = 4 B N T S D / time (x 1/2 causal). Medians of fresh inputs.
+sweep: as time, the default tiles with and without the softmax's
+  optimization barrier (forward.FP8_SOFTMAX_BARRIER), persistent or not.
 accuracy: FlashAttention-3's recipe (standard normal q/k/v, 0.1% of the
   entries x10), B=2, 4096 tokens, 16 heads, D = 64/128/256, through
   jflash.flash_attention: relative RMS error against float32 attention on
@@ -39,6 +42,7 @@ import numpy as np
 
 import jflash
 from jflash._src.backends import xla
+from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.mosaic import forward
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.spec import Operands
@@ -63,7 +67,7 @@ def quantize(x, num_kv_heads: int):
 
 
 def fp8_call(q8, k8, v8, descales, *, block_sizes, sinks=None, q_lengths=None,
-             kv_lengths=None, segment_ids=None, **options):
+             kv_lengths=None, segment_ids=None, persistent=None, **options):
   """The kernel through forward_call (out, lse2)."""
   operands = Operands(
       q8, k8, v8, q_lengths=q_lengths, kv_lengths=kv_lengths, sinks=sinks,
@@ -72,7 +76,7 @@ def fp8_call(q8, k8, v8, descales, *, block_sizes, sinks=None, q_lengths=None,
       q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
   spec = describe_call(operands, scale=q8.shape[-1] ** -0.5, **options)
   return forward.forward_call(operands, spec=spec, block_sizes=block_sizes,
-                              fp8_descales=descales)
+                              fp8_descales=descales, persistent=persistent)
 
 
 def relative(x, ref):
@@ -248,6 +252,42 @@ def time_all(args) -> int:
   return 0
 
 
+def sweep(args) -> int:
+  batch, heads, seq = 1, 16, 16384
+  rows = []
+  for d, causal in ((64, False), (128, False), (128, True), (256, False)):
+    flops = 4 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
+    tiles = mosaic_config.default_fp8_block_sizes(d, causal)
+
+    def make(r, d=d):
+      keys = jax.random.split(jax.random.key(200 + r), 3)
+      (q8, qd), (k8, kd), (v8, vd) = (quantize(jax.random.normal(
+          key, (batch, seq, heads, d), jnp.float32), heads) for key in keys)
+      return q8, k8, v8, (qd, kd, vd)
+
+    row = dict(d=d, causal=causal, block_kv=tiles.block_kv)
+    for barrier in (True, False):
+      for persistent in (None, False):
+        label = (f"barrier_{'on' if barrier else 'off'}_"
+                 f"{'persistent' if persistent is None else 'grid'}")
+        forward.FP8_SOFTMAX_BARRIER = barrier
+        fn = jax.jit(functools.partial(fp8_call, block_sizes=tiles,
+                                       is_causal=causal,
+                                       persistent=persistent))
+        try:
+          row[label] = flops / bench(lambda *a: fn(*a)[0], make) / 1e12
+        except Exception as e:  # noqa: BLE001
+          row[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    forward.FP8_SOFTMAX_BARRIER = True
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind,
+                     jax=jax.__version__, rows=rows), f, indent=1)
+  return 0
+
+
 def accuracy(args) -> int:
   batch, seq, heads = 2, 256 if args.quick else 4096, 16
   rows = []
@@ -299,15 +339,15 @@ def accuracy(args) -> int:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("mode", choices=("check", "time", "accuracy"))
+  parser.add_argument("mode", choices=("check", "time", "accuracy", "sweep"))
   parser.add_argument("--json", help="write the results here")
   parser.add_argument("--quick", action="store_true",
                       help="time: D=128 non-causal only; accuracy: 256 "
                       "tokens")
   args = parser.parse_args(argv)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
-  return {"check": check, "time": time_all,
-          "accuracy": accuracy}[args.mode](args)
+  return {"check": check, "time": time_all, "accuracy": accuracy,
+          "sweep": sweep}[args.mode](args)
 
 
 if __name__ == "__main__":

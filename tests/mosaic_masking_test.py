@@ -119,13 +119,20 @@ CASES = (
 )
 
 
+@functools.cache
+def _inputs_and_expected(case: model.Case):
+  """A case's inputs (seed 0) and their reference results, computed once
+  for the tests of both classes (NumPy arrays: not to be changed)."""
+  inputs = model.random_inputs(case, seed=0)
+  return inputs, model.reference(case, *inputs)
+
+
 class MosaicMaskingTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*CASES)
   def test_model_matches_reference(self, case):
-    inputs = model.random_inputs(case, seed=0)
-    model.assert_close(model.run_model(case, *inputs),
-                       model.reference(case, *inputs))
+    inputs, expected = _inputs_and_expected(case)
+    model.assert_close(model.run_model(case, *inputs), expected)
 
   def assert_reference_matches_jax_nn(self, case: model.Case, **options):
     """The reference against jax.nn.dot_product_attention(**options), on
@@ -274,8 +281,7 @@ class ModelSensitivityTest(parameterized.TestCase):
   )
   def test_model_fails(self, helper, breaker, case_name):
     case = dict(CASES)[case_name]
-    inputs = model.random_inputs(case, seed=0)
-    expected = model.reference(case, *inputs)
+    inputs, expected = _inputs_and_expected(case)
     broken = breaker(getattr(pipeline, helper))
     # None of the helpers above is one of these (for time: each costs the
     # launches' tracing again), but a break of one must trace again.
@@ -302,8 +308,7 @@ class ModelSensitivityTest(parameterized.TestCase):
   def test_model_fails_persistent(self, case_name, breaker):
     # The persistent forward's (program, block) -> position mapping.
     case = dict(CASES)[case_name]
-    inputs = model.random_inputs(case, seed=0)
-    expected = model.reference(case, *inputs)
+    inputs, expected = _inputs_and_expected(case)
     original = pipeline.PersistentGrid.position
     broken = lambda grid, j: breaker(original, grid, j)
     with mock.patch.object(pipeline.PersistentGrid, "position", broken):

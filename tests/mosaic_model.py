@@ -26,6 +26,11 @@ run:
   columns' ids as the kernels load them), the lse of rows past q_len, and in
   the dK/dV kernel the ring (the consumers' slots, what the producer loads).
 
+Those calls are traced as jax.jit traces them, and the traced programs
+(index arithmetic and selections) evaluated in NumPy with XLA's semantics
+(tests/jaxpr_numpy.py): each case's program is new and runs once, and
+XLA:CPU would spend about a second compiling it.
+
 What it computes from them is the kernels' arithmetic (online softmax in
 base 2 from the sink or MASK_VALUE, masked logits and probabilities on
 "masked" tiles only, nothing on "skip" tiles, empty rows: O = 0, lse2 =
@@ -102,6 +107,7 @@ from jflash._src.spec import CallSpec
 from jflash._src.spec import MaskSpec
 from jflash._src.spec import Operands
 from jflash._src.spec import describe_call
+from tests import jaxpr_numpy
 from tests import test_util
 from tests import tolerances
 
@@ -460,9 +466,9 @@ def _host_segment_inputs(case: Case, sizes: MosaicBlockSizes):
   _, calls = _kernel_launches(case, sizes)
   if len(calls) != 3:
     raise AssertionError(f"segment_inputs calls {calls}: not one per kernel")
-  return jax.device_get(jax.jit(
+  return jaxpr_numpy.jit(
       lambda ids: tuple(pipeline.segment_inputs(ids, **kwargs)
-                        for kwargs in calls))(segment_ids))
+                        for kwargs in calls))(segment_ids)
 
 
 # Helpers of the kernels' host code, whose results `_kernel_launches` and
@@ -583,8 +589,7 @@ def _decisions(case: Case, sizes: MosaicBlockSizes, launches, segments):
             (forward, dq, dkv), (forward_launch, dq_launch, dkv_launch),
             segments))
 
-  decisions = jax.device_get(jax.jit(decide)(*case.lengths_arrays(),
-                                             segments))
+  decisions = jaxpr_numpy.jit(decide)(*case.lengths_arrays(), segments)
   return decisions, kinds
 
 
@@ -744,11 +749,15 @@ def _reads_past_tables(decisions, segments) -> list[str]:
   return found
 
 
-def _numpy(x):
-  return np.asarray(x)
-
-
 # The model: the three kernels' tile walks.
+
+
+def _dot(a, b):
+  """a @ b of two tiles, in NumPy's own loop (einsum), single-threaded:
+  a BLAS matmul of tiles this small spends more CPU time waking its
+  threads than multiplying (about 30 times more with two pytest workers
+  sharing two cores)."""
+  return np.einsum("ij,jk->ik", a, b)
 
 
 def _logits2(case: Case, scores):
@@ -777,6 +786,13 @@ def _key_tile_masks(mask: MaskSpec, block_q: int, block_kv: int, segments):
   rows = np.arange(block_q)[:, None]
   columns = np.arange(block_kv)[None, :]
   shape = (block_q, block_kv)
+  # Traced once per offset, kept a Python int (a top-left mask's is the
+  # kernels' static 0, which masks.visible leaves out), and evaluated in
+  # NumPy for every tile.
+  visible = jaxpr_numpy.jit(
+      lambda rows, kv_step, kv_len, offset, *ids: pipeline.key_tile_visible(
+          mask, rows, columns, kv_step, block_kv, kv_len, offset, *ids),
+      static_argnums=(3,))
 
   @functools.cache
   def seen(batch, q_start, kv_step, kv_len, offset):
@@ -789,9 +805,7 @@ def _key_tile_masks(mask: MaskSpec, block_q: int, block_kv: int, segments):
                  pipeline.tile_start(kv_step, block_kv), block_kv)[None, :],
                  shape))
     # The ids positionally, as the kernels pass them.
-    return _numpy(pipeline.key_tile_visible(
-        mask, q_start + rows, columns, kv_step, block_kv, kv_len, offset,
-        *ids))
+    return visible(q_start + rows, kv_step, kv_len, offset, *ids)
 
   if segments is None:
     # The same masks for every batch element.
@@ -851,7 +865,7 @@ def _model_forward(case: Case, sizes, launch: Launch, decisions, kinds,
       row_max[:], row_sum[:] = sinks[b, h] * numerics.LOG2_E, 1.0
     for step, kind, k_tile, v_tile in _computed_key_tiles(
         d["runs"], kinds, k[b, :, kh], v[b, :, kh], block_kv):
-      logits, _ = _logits2(case, q_tile @ k_tile.T)
+      logits, _ = _logits2(case, _dot(q_tile, k_tile.T))
       if kind == "masked":
         seen = seen_of(b, q_start, step, d["kv_len"], d["offset"])
         logits = np.where(seen, logits, numerics.MASK_VALUE)
@@ -860,7 +874,7 @@ def _model_forward(case: Case, sizes, launch: Launch, decisions, kinds,
       if kind == "masked":
         probs = np.where(seen, probs, 0.0)
       correction = np.exp2(row_max - new_max)
-      acc = acc * correction[:, None] + probs @ v_tile
+      acc = acc * correction[:, None] + _dot(probs, v_tile)
       row_sum = row_sum * correction + probs.sum(axis=1)
       row_max = new_max
     has_keys = (row_sum > 0.0) & (rows[:, 0] < d["q_len"])
@@ -886,6 +900,7 @@ def _model_dq(case: Case, sizes, launch: Launch, decisions, kinds, segments,
   dq = np.full(launch.out_shapes[0], np.nan)
   tile_rows = np.arange(block_q)
   seen_of = _key_tile_masks(spec.mask, block_q, block_kv, segments)
+  valid_lse = jaxpr_numpy.jit(pipeline.valid_lse)
   for point in _grid_points(launch):
     d = _at(decisions, point)
     b, h, kh, q_start = d["batch"], d["head"], d["kv_head"], d["q_start"]
@@ -897,19 +912,19 @@ def _model_dq(case: Case, sizes, launch: Launch, decisions, kinds, segments,
     q_tile = _load_rows(q[b, :, h], q_start, block_q)
     do_tile = _load_rows(dout[b, :, h], q_start, block_q)
     row_ids = q_start + tile_rows
-    lse = _numpy(pipeline.valid_lse(
-        _load_stats(lse2, b, h, q_start, block_q), row_ids, d["q_len"]))
+    lse = valid_lse(_load_stats(lse2, b, h, q_start, block_q), row_ids,
+                    d["q_len"])
     row_delta = _load_stats(delta, b, h, q_start, block_q)
     acc = np.zeros((block_q, chunk.stop - chunk.start))
     for step, kind, k_tile, v_tile in _computed_key_tiles(
         d["runs"], kinds, k[b, :, kh], v[b, :, kh], block_kv):
-      logits, tanh = _logits2(case, q_tile @ k_tile.T)
+      logits, tanh = _logits2(case, _dot(q_tile, k_tile.T))
       probs = np.exp2(logits - lse[:, None])
       if kind == "masked":
         probs = np.where(
             seen_of(b, q_start, step, d["kv_len"], d["offset"]), probs, 0.0)
-      ds = _dlogits2(probs, do_tile @ v_tile.T - row_delta[:, None], tanh)
-      acc += ds @ k_tile[:, chunk]
+      ds = _dlogits2(probs, _dot(do_tile, v_tile.T) - row_delta[:, None], tanh)
+      acc += _dot(ds, k_tile[:, chunk])
     _store_rows(dq[b, :, h, chunk], q_start, acc * spec.scale)
   return dq[:, :spec.q_len]
 
@@ -925,6 +940,14 @@ def _model_dkv(case: Case, sizes, launch: Launch, decisions, kinds,
   dv = np.full(launch.out_shapes[1], np.nan)
   query_offsets = np.arange(block_q)
   shape = (block_kv, block_q)
+  valid_lse = jaxpr_numpy.jit(pipeline.valid_lse)
+  # As `_key_tile_masks`' visible.
+  visible = jaxpr_numpy.jit(
+      lambda q_start, key_ids, kv_len, offset, *ids: (
+          pipeline.query_tile_visible(spec.mask, query_offsets[None, :],
+                                      q_start, key_ids, kv_len, offset,
+                                      *ids)),
+      static_argnums=(3,))
 
   @functools.cache
   def seen_of(batch, ids_start, q_start, k_start, kv_len, offset):
@@ -938,9 +961,8 @@ def _model_dkv(case: Case, sizes, launch: Launch, decisions, kinds,
                                        ids_start, block_q)[None, :], shape),
              np.broadcast_to(_load_ids(segments.own_ids, batch, k_start,
                                        block_kv)[:, None], shape))
-    return _numpy(pipeline.query_tile_visible(
-        spec.mask, query_offsets[None, :], q_start,
-        k_start + np.arange(block_kv)[:, None], kv_len, offset, *ids))
+    return visible(q_start, k_start + np.arange(block_kv)[:, None], kv_len,
+                   offset, *ids)
 
   for point in _grid_points(launch):
     d = _at(decisions, point)
@@ -975,10 +997,10 @@ def _model_dkv(case: Case, sizes, launch: Launch, decisions, kinds,
           q_start = pipeline.tile_start(q_tile_index, block_q)
           q_tile = _load_rows(q[b, :, head], rows_start, block_q)
           do_tile = _load_rows(dout[b, :, head], rows_start, block_q)
-          lse = _numpy(pipeline.valid_lse(
+          lse = valid_lse(
               _load_stats(lse2, b, head, rows_start, block_q),
-              q_start + query_offsets, d["q_len"]))
-          logits, tanh = _logits2(case, k_tile @ q_tile.T)
+              q_start + query_offsets, d["q_len"])
+          logits, tanh = _logits2(case, _dot(k_tile, q_tile.T))
           probs = np.exp2(logits - lse[None, :])
           if kind == "masked":
             # Without segments the mask is the same for every batch
@@ -987,11 +1009,11 @@ def _model_dkv(case: Case, sizes, launch: Launch, decisions, kinds,
                                                                   None)
             probs = np.where(seen_of(*ids_at, q_start, k_start,
                                      d["kv_len"], d["offset"]), probs, 0.0)
-          dv_acc += probs @ do_tile[:, chunk]
+          dv_acc += _dot(probs, do_tile[:, chunk])
           row_delta = _load_stats(delta, b, head, rows_start, block_q)
-          ds = _dlogits2(probs, v_tile @ do_tile.T - row_delta[None, :],
+          ds = _dlogits2(probs, _dot(v_tile, do_tile.T) - row_delta[None, :],
                          tanh)
-          dk_acc += ds @ q_tile[:, chunk]
+          dk_acc += _dot(ds, q_tile[:, chunk])
     _check(step == d["num_steps"],
            f"consumer {point} reads {step} of the producer's "
            f"{d['num_steps']} steps")
