@@ -98,13 +98,6 @@ def shared_memory(launch: DecodeLaunch, *, rows: int, head_dim: int,
   pipeline's buffered key and value tiles, and (mma.sync) a float32
   [rows, block_k + 1] probability tile.
 
-  itemsize 1 (an FP8 query and cache, converted to FP8_COMPUTE_DTYPE in
-  registers) is an upper bound, not yet calibrated on a GPU: the query
-  tile in 16 bits, `num_stages` buffered FP8 key and value tiles (the
-  16-bit pipelines hold num_stages or num_stages - 1), one converted
-  16-bit key and value tile each (wgmma reads its B operand from shared
-  memory), and the float32 probability tile, whatever the instruction.
-
   Calibrated on an H100 against the bytes Triton requests at launch (the
   RESOURCE_EXHAUSTED message; benchmarks/launch_limits.py calibrate_grid,
   RECORD.md 2026-11-25 "launch limits"): exact for every over-limit launch
@@ -112,6 +105,13 @@ def shared_memory(launch: DecodeLaunch, *, rows: int, head_dim: int,
   tiles, head dims 128 and 256); for 16-bit below 64 rows every launch
   ran, the largest (32 rows, D=256, 64-key tiles, 4 stages) at the
   model's 221312 bytes, so the model is an upper bound there.
+
+  itemsize 1 (an FP8 query and cache, converted to FP8_COMPUTE_DTYPE in
+  registers) is an upper bound, not yet calibrated on a GPU: the query
+  tile in 16 bits, `num_stages` buffered FP8 key and value tiles (the
+  16-bit pipelines hold num_stages or num_stages - 1), one converted
+  16-bit key and value tile each (wgmma reads its B operand from shared
+  memory), and the float32 probability tile, whatever the instruction.
   """
   head_dim_p = tiles.head_dim_padded(head_dim)
   if itemsize == 1:
