@@ -16,9 +16,21 @@ to random lengths between S/2 and S. Parts (--parts, default all three):
     right causal, kv lengths) with implementation None (the registry's
     choice), "triton", "mosaic" (Hopper) and "decode", including short
     caches: where the decode backend should be the default.
+  fp8 (not in the default parts): the decode kernel over an FP8 (e4m3)
+    query and cache against the same call on the bfloat16 cache, in the
+    same run (FP8_CASES, each with its head dim; --head-dim and --cases
+    do not apply): dense and paged (pages of 64), the old route (the
+    whole cache dequantized to bfloat16, then the bfloat16 kernel) and
+    cuDNN on bfloat16 beside; microseconds, TB/s of the valid K/V bytes,
+    and the ratios bf16 / fp8 (issue 24's target: >= FP8_TARGET where
+    B x S >= 128k). `--json PATH` also writes its rows. `--tiny` runs it
+    anywhere: one tiny case, the kernels interpreted, one timing each.
+
+  PYTHONPATH=. python3 benchmarks/decode.py --parts fp8 [--tokens 4]
 """
 
 import argparse
+import json
 from unittest import mock
 import warnings
 
@@ -40,12 +52,25 @@ LAUNCHES = ((64, 4, 2), (64, 4, 4), (64, 8, 3), (32, 4, 3), (128, 4, 2),
 # The route part's extra cases: short and mid caches, MHA and GQA.
 ROUTE_CASES = ((8, 256, 32, 8), (8, 1024, 32, 8), (32, 512, 32, 32),
                (4, 2048, 16, 16))
+# The fp8 part's cases: B, S, query heads, kv heads, head dim (issue 24:
+# B x S >= 128k rows, plus B=1 and one head dim 256 row).
+FP8_CASES = ((128, 1024, 32, 8, 128), (64, 2048, 32, 8, 128),
+             (16, 8192, 32, 8, 128), (1, 32768, 32, 8, 128),
+             (16, 8192, 32, 8, 256))
+FP8_TINY_CASES = ((2, 256, 8, 2, 64),)
+# Issue 24's target: the FP8 cache >= 1.7x faster than the bfloat16 one
+# wherever B x S >= FP8_TARGET_ROWS.
+FP8_TARGET = 1.7
+FP8_TARGET_ROWS = 128 * 1024
+# Timing repeats (--tiny: one) and the interpreter flag of jflash's calls.
+REPEATS, ITERS, INTERPRET = 20, 10, False
 
 
-def median_seconds(fn, args, repeats=20, iters=10):
+def median_seconds(fn, args, repeats=None, iters=None):
   """Median per-call seconds after warm-up (benchmarks/run.py's timer)."""
-  return bench.time_step(fn, args, warmup=2, repeats=repeats,
-                         iters=iters)[1]
+  return bench.time_step(fn, args, warmup=2 if REPEATS > 1 else 0,
+                         repeats=repeats or REPEATS,
+                         iters=iters or ITERS)[1]
 
 
 def copy_bandwidth() -> float:
@@ -92,18 +117,20 @@ def paged(cache, page_size, order):
   return pages[np.argsort(order)]
 
 
-def inputs(case, num_tokens, rng):
-  """(q, k, v, lengths, K/V bytes of the valid entries) of one case."""
+def inputs(case, num_tokens, rng, head_dim=None):
+  """(q, k, v, lengths, K/V bytes of the valid entries) of one case
+  (bfloat16; head_dim: default HEAD_DIM)."""
   batch, kv_seq, heads, kv_heads = case
+  head_dim = head_dim or HEAD_DIM
   keys = jax.random.split(jax.random.key(batch * kv_seq + heads), 3)
-  q = jax.random.normal(keys[0], (batch, num_tokens, heads, HEAD_DIM),
+  q = jax.random.normal(keys[0], (batch, num_tokens, heads, head_dim),
                         jnp.bfloat16)
-  k = jax.random.normal(keys[1], (batch, kv_seq, kv_heads, HEAD_DIM),
+  k = jax.random.normal(keys[1], (batch, kv_seq, kv_heads, head_dim),
                         jnp.bfloat16)
   v = jax.random.normal(keys[2], k.shape, jnp.bfloat16)
   lengths = jnp.asarray(rng.integers(kv_seq // 2, kv_seq + 1, batch),
                         jnp.int32)
-  kv_bytes = 2 * int(jnp.sum(lengths)) * kv_heads * HEAD_DIM * 2
+  kv_bytes = 2 * int(jnp.sum(lengths)) * kv_heads * head_dim * 2
   return q, k, v, lengths, kv_bytes
 
 
@@ -195,8 +222,92 @@ def table(num_tokens, rng):
     print(row)
 
 
+def fp8_table(num_tokens, rng, json_path=None):
+  """The decode kernel over an FP8 (e4m3) cache against the bfloat16 one.
+
+  Per case: jflash's decode kernel on the bfloat16 query and cache, on
+  their FP8 quantization (read natively), on the FP8 cache dequantized to
+  bfloat16 first in the same jit (the route before the kernel read FP8),
+  dense and with pages of 64 (the same permutation for both dtypes), and
+  cuDNN on bfloat16 (not causal: jax.nn's causal mask is top-left; with one
+  token it reads the same entries).
+  """
+  print(f"fp8: decode over an e4m3 cache vs bfloat16, T={num_tokens}, "
+        "bottom-right causal, lengths S/2..S; us (TB/s of valid K/V "
+        "bytes); ratio = bf16 / fp8 time")
+  rows = []
+  for case in (FP8_TINY_CASES if INTERPRET else FP8_CASES):
+    batch, kv_seq, heads, kv_heads, head_dim = case
+    q, k, v, lengths, kv_bytes = inputs(case[:4], num_tokens, rng, head_dim)
+    q8, k8, v8, qd, kd, vd = jflash.quantize_qkv(q, k, v)
+    descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    page_size = 64
+    order = rng.permutation(batch * (kv_seq // page_size))
+    table = jnp.asarray(order.reshape(batch, -1), jnp.int32)
+    decode = lambda q, k, v, lengths, descales, table=None: (
+        jflash.decode_attention(q, k, v, lengths, block_table=table,
+                                implementation="decode",
+                                interpret=INTERPRET, **descales))
+
+    def dequantized(q8, k8, v8, lengths, descales):
+      real = [jflash.dequantize_fp8(x, descales[name], dtype=jnp.bfloat16)
+              for x, name in ((q8, "q_descale"), (k8, "k_descale"),
+                              (v8, "v_descale"))]
+      return decode(*real, lengths, {})
+
+    def cudnn(q, k, v, lengths):
+      return jax.nn.dot_product_attention(
+          q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
+
+    cells = {
+        "bf16": (decode, (q, k, v, lengths, {}), kv_bytes),
+        "fp8": (decode, (q8, k8, v8, lengths, descales), kv_bytes // 2),
+        "fp8_dequantized": (dequantized, (q8, k8, v8, lengths, descales),
+                            kv_bytes // 2),
+        "bf16_paged64": (decode, (q, paged(k, page_size, order),
+                                  paged(v, page_size, order), lengths, {},
+                                  table), kv_bytes),
+        "fp8_paged64": (decode, (q8, paged(k8, page_size, order),
+                                 paged(v8, page_size, order), lengths,
+                                 descales, table), kv_bytes // 2),
+        "cudnn_bf16": (cudnn, (q, k, v, lengths), kv_bytes),
+    }
+    result = dict(batch=batch, kv_seq=kv_seq, num_heads=heads,
+                  num_kv_heads=kv_heads, head_dim=head_dim,
+                  num_tokens=num_tokens)
+    line = f"B={batch} S={kv_seq} {heads}/{kv_heads} D={head_dim}:"
+    for name, (fn, args, nbytes) in cells.items():
+      try:
+        seconds = median_seconds(jax.jit(fn), args)
+        result[f"{name}_us"] = seconds * 1e6
+        line += (f" {name} {seconds * 1e6:.1f} us "
+                 f"({nbytes / seconds / 1e12:.2f} TB/s);")
+      except Exception as e:  # pylint: disable=broad-except
+        result[f"{name}_us"] = None
+        line += f" {name} error {type(e).__name__}: {str(e)[:80]};"
+    for label, slow, fast in (("ratio", "bf16", "fp8"),
+                              ("ratio_paged64", "bf16_paged64",
+                               "fp8_paged64"),
+                              ("ratio_vs_dequantized", "fp8_dequantized",
+                               "fp8")):
+      if result[f"{slow}_us"] and result[f"{fast}_us"]:
+        result[label] = result[f"{slow}_us"] / result[f"{fast}_us"]
+        line += f" {label} {result[label]:.2f}x;"
+    if batch * kv_seq >= FP8_TARGET_ROWS and "ratio" in result:
+      result["meets_target"] = result["ratio"] >= FP8_TARGET
+      line += (f" target {FP8_TARGET}x "
+               f"{'met' if result['meets_target'] else 'MISSED'}")
+    rows.append(result)
+    print(line, flush=True)
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(dict(device_kind=jax.devices()[0].device_kind,
+                     jax=jax.__version__, rows=rows), f, indent=1)
+
+
 def main():
-  global CASES, HEAD_DIM  # pylint: disable=global-statement
+  # pylint: disable-next=global-statement
+  global CASES, HEAD_DIM, REPEATS, ITERS, INTERPRET
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--tokens", type=int, default=1)
   parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
@@ -204,8 +315,16 @@ def main():
                       help="cases in place of the issue's (table, sweep)")
   parser.add_argument("--parts", nargs="+", default=["table", "sweep",
                                                       "route"],
-                      choices=["table", "sweep", "route"])
+                      choices=["table", "sweep", "route", "fp8"])
+  parser.add_argument("--json", help="the fp8 part's rows as JSON")
+  parser.add_argument("--tiny", action="store_true",
+                      help="fp8 part only: a tiny case, kernels "
+                      "interpreted, one timing (runs on a CPU)")
   args = parser.parse_args()
+  if args.tiny:
+    if args.parts != ["fp8"]:
+      parser.error("--tiny runs the fp8 part only: pass --parts fp8")
+    REPEATS, ITERS, INTERPRET = 1, 1, True
   HEAD_DIM = args.head_dim
   if args.cases:
     CASES = tuple(tuple(int(x) for x in c.split(",")) for c in args.cases)
@@ -217,6 +336,8 @@ def main():
     sweep(args.tokens, rng)
   if "route" in args.parts:
     route(args.tokens, rng)
+  if "fp8" in args.parts:
+    fp8_table(args.tokens, rng, args.json)
 
 
 if __name__ == "__main__":

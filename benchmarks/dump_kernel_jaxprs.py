@@ -19,7 +19,9 @@ writes the whole jaxpr instead.
   cmp /tmp/before.txt /tmp/after.txt
 
 `--decode` writes the split-K decode kernel's (decode_attention, dense and
-paged, and flash_attention's "decode" backend) instead.
+paged, and flash_attention's "decode" backend) instead; `--decode-fp8` its
+FP8 (e4m3 query and cache) launches, dense and paged, with and without
+splits and sinks (a separate file, so the 16-bit one stays comparable).
 
 `--mosaic` writes the Mosaic GPU kernels' instead: the jaxprs of the
 backend's forward and backward functions (the kernel bodies included;
@@ -217,11 +219,52 @@ def _decode_texts():
   return texts
 
 
+def _decode_fp8_texts():
+  """The decode kernel's FP8 pallas_calls, per configuration."""
+  texts = []
+  kv_seq = 256
+  # (batch, tokens, heads, kv_heads, head_dim, page_size)
+  shapes = ((2, 1, 8, 2, 128, None), (2, 4, 8, 2, 256, 64),
+            (2, 2, 4, 4, 80, 16))
+  options = {
+      "plain": dict(),
+      "splits_sinks": dict(num_splits=3, sinks=jnp.ones((8,))),
+      "window_soft_cap_alibi_float32": dict(
+          local_window_size=(40, 3), logits_soft_cap=20.0,
+          alibi_slopes=jnp.ones((8,)), out_dtype=jnp.float32),
+  }
+  fp8 = jnp.float8_e4m3fn
+  for shape, (label, kwargs) in itertools.product(shapes, options.items()):
+    batch, tokens, heads, kv_heads, head_dim, page_size = shape
+    kwargs = dict(kwargs)
+    for name in ("sinks", "alibi_slopes"):
+      if name in kwargs:
+        kwargs[name] = kwargs[name][:heads]
+    q = jnp.ones((batch, tokens, heads, head_dim), fp8)
+    k = jnp.ones((batch, kv_seq, kv_heads, head_dim), fp8)
+    lengths = jnp.array([kv_seq, 77], jnp.int32)
+    if page_size is not None:
+      pages = kv_seq // page_size
+      k = jnp.ones((batch * pages, page_size, kv_heads, head_dim), fp8)
+      kwargs["block_table"] = jnp.arange(batch * pages).reshape(batch, pages)
+    descales = jnp.full((batch, kv_heads), 0.5, jnp.float32)
+    run = lambda q, k, v, d, kwargs=kwargs: jflash.decode_attention(
+        q, k, v, lengths, interpret=True, implementation="decode",
+        q_descale=d, k_descale=d, v_descale=d, **kwargs)
+    jaxpr = jax.make_jaxpr(run)(q, k, k, descales)
+    body = "\n\n".join(_describe(e) for e in test_util.equations(
+        jaxpr.jaxpr, "pallas_call"))
+    texts.append(f"== decode_attention fp8 {label} {shape}\n{body}")
+  return texts
+
+
 def main(path: str, full: bool, mosaic: bool = False,
-         decode: bool = False) -> None:
-  if mosaic or decode:
+         decode: bool = False, decode_fp8: bool = False) -> None:
+  if mosaic or decode or decode_fp8:
+    texts = (_mosaic_texts() if mosaic else _decode_texts() if decode
+             else _decode_fp8_texts())
     with open(path, "w") as f:
-      f.write("\n\n".join(_mosaic_texts() if mosaic else _decode_texts()))
+      f.write("\n\n".join(texts))
     return
   texts = []
   for label, shape, is_causal, kwargs in _options():
@@ -253,5 +296,7 @@ if __name__ == "__main__":
                       help="the Mosaic GPU kernels' jaxprs instead")
   parser.add_argument("--decode", action="store_true",
                       help="the split-K decode kernel's jaxprs instead")
+  parser.add_argument("--decode-fp8", action="store_true",
+                      help="the decode kernel's FP8 jaxprs instead")
   args = parser.parse_args()
-  main(args.path, args.full, args.mosaic, args.decode)
+  main(args.path, args.full, args.mosaic, args.decode, args.decode_fp8)

@@ -7,8 +7,9 @@ models and the choices against the GPU itself:
   calibrate: launches chosen to exceed shared memory (and some that fit),
     printing the model's bytes next to the bytes Triton requests (parsed
     from RESOURCE_EXHAUSTED) or "ran"; a model below a request is a bug.
-  decode: decode_attention on the default route for every dtype, head dims
-    64/128/256 and 16..1024 packed rows per kv head, against the XLA path.
+  decode: decode_attention on the default route for every dtype (an FP8
+    e4m3 query and cache too), head dims 64/128/256 and 16..1024 packed
+    rows per kv head, against the XLA path.
   training: the Triton kernels' default tiles, forward and backward, per
     dtype and head dim, with and without a dense bias and mask.
   speed: launches that fit the issue-22 crash shape (13 tokens, GQA 8,
@@ -35,6 +36,7 @@ from jflash._src.backends.triton import decode as triton_decode
 from jflash._src.spec import MaskSpec
 
 DTYPES = ("bfloat16", "float16", "float32")
+FP8 = "float8_e4m3fn"  # The decode kernel reads FP8 caches natively.
 
 
 def _requested(error: Exception) -> str:
@@ -56,8 +58,10 @@ def _decode_once(rows, head_dim, dtype, launch, kv_seq=1024):
   v = _normal(keys[2], (1, kv_seq, 1, head_dim), dtype)
   lengths = jnp.array([kv_seq], jnp.int32)
   mask = MaskSpec(is_causal=True, has_lengths=True, bottom_right=True)
+  ones = jnp.ones((1, 1), jnp.float32)
+  descales = dict(qk_descale=ones, v_descale=ones) if dtype == FP8 else {}
   run = jax.jit(lambda q, k, v: triton_decode.decode_call(
-      q, k, v, lengths, None, mask=mask, scale=head_dim ** -0.5,
+      q, k, v, lengths, None, **descales, mask=mask, scale=head_dim ** -0.5,
       soft_cap=None, num_tokens=1, group=rows, num_splits=1,
       block_k=launch.block_k, num_warps=launch.num_warps,
       num_stages=launch.num_stages, interpret=False))
@@ -82,7 +86,8 @@ def calibrate_grid():
   print("== calibrate_grid: decode, model bytes vs Triton's request")
   L = triton_decode.DecodeLaunch
   for dtype, rows, head_dim, launch in (
-      (d, r, h, l) for d in ("bfloat16", "float32") for r in (16, 32, 64, 128)
+      (d, r, h, l) for d in ("bfloat16", "float32", FP8)
+      for r in (16, 32, 64, 128)
       for h in (128, 256) for l in (L(64, 4, 4), L(64, 4, 3), L(32, 4, 4))):
     model, outcome = _calibrate_one(rows, head_dim, dtype, launch)
     print(f"{dtype} rows={rows} D={head_dim} k{launch.block_k}"
@@ -150,19 +155,24 @@ def decode_coverage():
   print("== decode: default route per dtype, head dim, packed rows")
   kv_seq, batch = 1024, 2
   for dtype, head_dim, (tokens, heads, kv_heads) in (
-      (d, h, c) for d in DTYPES for h in (64, 128, 256)
+      (d, h, c) for d in (*DTYPES, FP8) for h in (64, 128, 256)
       for c in ((1, 8, 8), (4, 16, 1), (13, 16, 2), (16, 8, 1),
                 (16, 64, 1))):
     keys = jax.random.split(jax.random.key(head_dim + tokens), 3)
     q = _normal(keys[0], (batch, tokens, heads, head_dim), dtype)
     k = _normal(keys[1], (batch, kv_seq, kv_heads, head_dim), dtype)
     v = _normal(keys[2], (batch, kv_seq, kv_heads, head_dim), dtype)
+    descales = {}
+    if dtype == FP8:  # The XLA path runs it dequantized.
+      q, k, v, *scales = jflash.quantize_qkv(q, k, v)
+      descales = dict(zip(("q_descale", "k_descale", "v_descale"), scales))
     lengths = jnp.array([kv_seq, 700], jnp.int32)
     rows = tokens * heads // kv_heads
     try:
       out = jax.jit(lambda q, k, v: jflash.decode_attention(
-          q, k, v, lengths, implementation="decode"))(q, k, v)
-      ref = jflash.decode_attention(q, k, v, lengths, implementation="xla")
+          q, k, v, lengths, implementation="decode", **descales))(q, k, v)
+      ref = jflash.decode_attention(q, k, v, lengths, implementation="xla",
+                                    **descales)
       outcome = f"ok, relative error {_relative_error(out, ref):.1e}"
     except Exception as e:  # pylint: disable=broad-except
       outcome = "FAILED " + _requested(e)

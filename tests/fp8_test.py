@@ -31,6 +31,8 @@ from jflash._src import platform
 from jflash._src import registry
 from jflash._src import sharding
 from jflash._src.backends import xla as xla_backend
+from jflash._src.backends.triton import decode as triton_decode
+from jflash._src.backends.triton import decode_backend
 from tests import test_base
 from tests import test_util
 from tests import tolerances
@@ -360,6 +362,92 @@ test_base.for_each_backend(
     targets=[t for t in test_base.TARGETS if t.implementation != "xla"])
 
 
+class Fp8DecodeKernelTest(absltest.TestCase):
+  """An FP8 KV cache read natively by the split-K decode kernel: the e4m3
+  query and cache reach the kernel as they are (the plan does not
+  dequantize), dense and paged, GQA, ragged lengths (0, and fewer entries
+  than new tokens), T = 1 and 4, sinks, split and unsplit, against float64
+  attention of the real values. The kernel computes in float16 after an
+  exact e4m3 conversion, so the dequantizing path's tolerance holds."""
+
+  BATCH, KV_LEN, HEADS, KV_HEADS = 3, 48, 8, 2
+
+  def setUp(self):
+    super().setUp()
+    # 16-key tiles: the short caches cross several tiles and splits.
+    self.enter_context(mock.patch.object(
+        decode_backend, "DEFAULT_LAUNCH",
+        decode_backend.DecodeLaunch(block_k=16)))
+
+  def _run(self, num_tokens, lengths, *, paged=False, sinks=None,
+           num_splits=1, out_dtype=None):
+    """(out, lse, expected) of decode_attention on FP8 inputs, after
+    checking that the plan runs them natively on "decode" and that the
+    kernel receives e4m3 arrays and float32 [B, K] descales."""
+    q8, k8, v8, qd, kd, vd = _fp8_inputs(
+        30 + num_tokens, batch=self.BATCH, q_len=num_tokens,
+        kv_len=self.KV_LEN, num_heads=self.HEADS,
+        num_kv_heads=self.KV_HEADS)
+    expected = reference(
+        *_real_values(q8, k8, v8, qd, kd, vd), is_causal=True,
+        causal_alignment="bottom_right", key_value_seq_lengths=lengths,
+        sinks=sinks)
+    arrays = dict(_descales(qd, kd, vd), sinks=sinks)
+    if paged:
+      # Pages of 16 in a shuffled order; the cache rows past each length
+      # hold NaN, which the kernel must not read.
+      written = (np.arange(self.KV_LEN)[None, :]
+                 < np.asarray(lengths)[:, None])[:, :, None, None]
+      order = np.random.default_rng(num_tokens).permutation(
+          self.BATCH * self.KV_LEN // 16)
+      pages = lambda x: jnp.asarray(np.where(
+          written, np.asarray(x, np.float32), np.nan).reshape(
+              -1, 16, self.KV_HEADS, x.shape[-1])[np.argsort(order)], E4M3)
+      k8, v8 = pages(k8), pages(v8)
+      arrays["block_table"] = jnp.asarray(order.reshape(self.BATCH, -1),
+                                          jnp.int32)
+    options = dict(interpret=test_util.INTERPRET, out_dtype=out_dtype)
+    call = api.describe(q8, k8, v8, is_causal=True,
+                        causal_alignment="bottom_right",
+                        key_value_seq_lengths=lengths, **arrays, **options)
+    plan = registry.plan(call.spec, None, call.options)
+    self.assertEqual((plan.forward, plan.dequantize), ("decode", False))
+    with mock.patch.object(triton_decode, "decode_call",
+                           wraps=triton_decode.decode_call) as kernel:
+      out, lse = jax.jit(lambda q8, k8, v8, lengths, arrays: (
+          jflash.decode_attention(
+              q8, k8, v8, lengths, num_splits=num_splits,
+              return_residual=True, residual_dtype=jnp.float32, **arrays,
+              **options)))(q8, k8, v8, lengths, arrays)
+    args, kwargs = kernel.call_args
+    self.assertEqual([x.dtype for x in args[:3]], [E4M3] * 3)
+    for descale in (kwargs["qk_descale"], kwargs["v_descale"]):
+      chex.assert_shape(descale, (self.BATCH, self.KV_HEADS))
+      chex.assert_equal(descale.dtype, jnp.float32)
+    return out, lse, expected
+
+  def test_dense_cache_four_tokens_sinks_split(self):
+    # T = 4 x a GQA group of 4: 16 packed rows; three splits merged with
+    # the sinks. Lengths: full, fewer than the tokens (token 0 sees
+    # nothing), empty.
+    lengths = jnp.array([self.KV_LEN, 3, 0], jnp.int32)
+    out, lse, expected = self._run(
+        4, lengths, sinks=jnp.linspace(-1.0, 1.0, self.HEADS),
+        num_splits=3)
+    chex.assert_equal(out.dtype, jnp.bfloat16)
+    assert_close_to_reference(self, out, expected, lse)
+    chex.assert_trees_all_equal(out[2], jnp.zeros_like(out[2]))
+
+  def test_paged_cache_one_token_unsplit_float32_out(self):
+    # One split, no sink: the kernel writes the float32 output itself.
+    lengths = jnp.array([self.KV_LEN, 21, 0], jnp.int32)
+    out, lse, expected = self._run(1, lengths, paged=True, num_splits=1,
+                                   out_dtype=jnp.float32)
+    chex.assert_equal(out.dtype, jnp.float32)
+    assert_close_to_reference(self, out, expected, lse)
+    self.assertTrue(np.all(np.isneginf(np.asarray(lse[2]))))
+
+
 class Fp8DispatchTest(parameterized.TestCase):
   """Where the FP8 decision is made, and how a native backend plugs in."""
 
@@ -387,9 +475,29 @@ class Fp8DispatchTest(parameterized.TestCase):
   def test_implementations_say_how_each_backend_runs_fp8(self):
     listing = jflash.implementations()
     self.assertEqual({e["name"]: e["fp8"] for e in listing},
-                     {name: "native" if name == "mosaic" else "dequantized"
-                      for name in registry.names()})
+                     {name: "native" if name in ("mosaic", "decode")
+                      else "dequantized" for name in registry.names()})
     self.assertIn("dequantized", str(listing))
+
+  def test_decode_runs_e4m3_natively_e5m2_dequantized(self):
+    # A decode-shaped call (2 new tokens; interpret=True runs the decode
+    # kernel anywhere): e4m3 reaches the decode kernel as it is; e5m2,
+    # which it does not list, runs dequantized on it; 17 new tokens are
+    # past it (the Triton kernels, dequantized).
+    q8, k8, v8, qd, kd, vd = _fp8_inputs(17, q_len=17, kv_len=32)
+    lengths = jnp.array([32, 5])
+    for dtype, tokens, backend, native in (
+        ("float8_e4m3fn", 2, "decode", True),
+        ("float8_e5m2", 2, "decode", False),
+        ("float8_e4m3fn", 17, "triton", False)):
+      call = api.describe(
+          q8[:, :tokens].astype(dtype), k8.astype(dtype), v8.astype(dtype),
+          is_causal=True, causal_alignment="bottom_right",
+          key_value_seq_lengths=lengths, interpret=True,
+          **_descales(qd, kd, vd))
+      plan = registry.plan(call.spec, None, call.options)
+      self.assertEqual((plan.forward, plan.dequantize),
+                       (backend, not native), msg=f"{dtype}, {tokens}")
 
   def test_hopper_runs_e4m3_natively_on_mosaic(self):
     # On a Hopper GPU (mocked): the Mosaic FP8 forward takes e4m3 calls as

@@ -24,6 +24,9 @@ from jflash._src.backends.triton import decode as triton_decode
 DEVICE_KINDS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
                 "NVIDIA L4")
 ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The decode kernel also reads an FP8 (e4m3) query and cache, 1 byte per
+# element (triton_decode.shared_memory's uncalibrated upper bound).
+DECODE_ITEMSIZES = {**ITEMSIZES, "float8_e4m3fn": 1}
 # Every head dim up to 256 pads to one of these widths; test each width's
 # edges and a few in between.
 HEAD_DIMS = (8, 16, 32, 33, 64, 80, 96, 128, 160, 192, 200, 256)
@@ -87,10 +90,11 @@ RAN = (
 
 class DecodeLaunchTest(parameterized.TestCase):
 
-  @parameterized.product(device_kind=DEVICE_KINDS, dtype=tuple(ITEMSIZES))
+  @parameterized.product(device_kind=DEVICE_KINDS,
+                         dtype=tuple(DECODE_ITEMSIZES))
   def test_every_decode_launch_fits(self, device_kind, dtype):
     limit = block_sizes.shared_memory_limit(device_kind)
-    itemsize = ITEMSIZES[dtype]
+    itemsize = DECODE_ITEMSIZES[dtype]
     # Packed rows: 1..16 tokens x GQA groups up to 128 query heads per kv
     # head, padded to a power of two >= 16 (decode.kernel_attention).
     for head_dim, rows in itertools.product(
@@ -143,14 +147,34 @@ class DecodeLaunchTest(parameterized.TestCase):
         block_sizes.shared_memory_limit(DEVICE_KINDS[0]))
 
   def test_launches_that_fit_keep_the_preferred_one(self):
-    # The common decode shapes (<= 64 rows, head dim <= 128, 16-bit) keep
-    # the measured default launch.
-    for rows, head_dim in itertools.product((16, 32, 64), (64, 128)):
+    # The common decode shapes (<= 64 rows, head dim <= 128, 16-bit or an
+    # FP8 cache) keep the measured default launch.
+    for rows, head_dim, itemsize in itertools.product(
+        (16, 32, 64), (64, 128), (2, 1)):
       plan = triton_decode.plan_launch(
-          rows, head_dim=head_dim, itemsize=2, device_kind=DEVICE_KINDS[0],
+          rows, head_dim=head_dim, itemsize=itemsize,
+          device_kind=DEVICE_KINDS[0],
           preferred=triton_decode.DecodeLaunch())
       self.assertEqual(plan, triton_decode.DecodePlan(
-          rows=rows, launch=triton_decode.DecodeLaunch()))
+          rows=rows, launch=triton_decode.DecodeLaunch()),
+                       msg=f"{rows=} {head_dim=} {itemsize=}")
+
+  def test_fp8_model_bounds_the_16_bit_pipeline(self):
+    # Until calibrated on a GPU, the FP8 model is an upper bound: at
+    # least what a 16-bit launch of the same tiles asks for, less the
+    # 1 byte per element its buffered K/V tiles no longer hold, plus the
+    # converted 16-bit K/V tiles, for every launch the fallbacks offer.
+    for launch, rows, head_dim in itertools.product(
+        (triton_decode.DecodeLaunch(), *triton_decode.FALLBACK_LAUNCHES),
+        (16, 32, 64, 128), (64, 128, 256)):
+      fp8 = triton_decode.shared_memory(launch, rows=rows,
+                                        head_dim=head_dim, itemsize=1)
+      bf16 = triton_decode.shared_memory(launch, rows=rows,
+                                         head_dim=head_dim, itemsize=2)
+      kv_tiles = 2 * launch.num_stages * launch.block_k * head_dim
+      converted = 2 * 2 * launch.block_k * head_dim
+      self.assertGreaterEqual(fp8, bf16 - kv_tiles + converted,
+                              msg=f"{launch} {rows=} {head_dim=}")
 
 
 class TrainingLaunchTest(parameterized.TestCase):

@@ -144,9 +144,10 @@ def flash_attention(
   attention of those real values, every mask and option included, in
   `out_dtype` (bfloat16 by default); the returned lse is that of the
   dequantized logits. `jflash.quantize_qkv` produces such inputs.
-  A backend whose capabilities list the FP8 dtype runs FP8 kernels; every
-  other one (all of them, until the Mosaic FP8 kernel lands; see
-  `jflash.implementations()`, column "fp8") runs the call dequantized:
+  A backend whose capabilities list the FP8 dtype runs FP8 kernels (for
+  float8_e4m3fn: "mosaic", and "decode", which reads an FP8 KV cache as
+  it is); every other one (`jflash.implementations()`, column "fp8") runs
+  the call dequantized:
   q, k and v times their descales, rounded to bfloat16 (a paged cache is
   gathered into a dense copy first), then its bfloat16 kernels. Dropout
   runs as in any forward. Differentiating an FP8 call, with respect to any

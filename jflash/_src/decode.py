@@ -105,9 +105,11 @@ def decode_attention(query, key_cache, value_cache, key_value_seq_lengths,
       flash_attention).
     interpret: run the kernel through the Pallas interpreter.
     q_descale, k_descale, v_descale, out_dtype: an FP8 query and cache, as
-      in flash_attention (descales float32, broadcastable to [B, K]). The
-      decode kernel has no FP8 path yet: the call runs dequantized to
-      bfloat16 (a paged cache gathered first), forward only.
+      in flash_attention (descales float32, broadcastable to [B, K]),
+      forward only. The "decode" kernel reads a float8_e4m3fn query and
+      cache (dense or paged) as they are, one byte per element, and
+      applies the descales itself; other backends, and float8_e5m2, run
+      the call dequantized to bfloat16 (a paged cache gathered first).
 
   Returns:
     out [B, T, N, H] in query's dtype (out_dtype for FP8); with

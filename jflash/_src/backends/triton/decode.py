@@ -18,6 +18,12 @@ Positions: the cache holds L = key_value_seq_lengths[b] entries, the T new
 tokens last; query token t sits at position L - T + t, which is
 `masks.visible` with a bottom-right causal offset L - T. Only the key tiles
 of `masks.key_blocks` are read (a window reads its band).
+
+FP8 (an e4m3 query and cache, with descales per (batch, kv head)): the
+query and each K/V tile are read as they are, one byte per element, and
+converted in registers to `FP8_COMPUTE_DTYPE`; q_descale x k_descale folds
+into the program's logit scale and v_descale into its output (one scalar
+each: a program is one (batch, kv head)). The partials stay float32.
 """
 
 from __future__ import annotations
@@ -72,6 +78,12 @@ MAX_WARPS = 8
 # into launches of this many rows (each reads the cache again).
 MAX_ROWS_PER_LAUNCH = 128
 MIN_ROWS = 16  # Triton's matrix instructions need tiles of >= 16 rows.
+# What FP8 (e4m3) tiles are converted to in registers before the matmuls:
+# float16 holds every e4m3 value exactly (3 mantissa bits, exponents
+# 2^-9..2^8), Hopper converts a pair in one instruction
+# (cvt.rn.f16x2.e4m3x2; bfloat16 takes that and two more), and the
+# probabilities P in float16 keep 11 significant bits (bfloat16: 8).
+FP8_COMPUTE_DTYPE = jnp.float16
 
 
 # Triton lowers 16-bit tiles of >= 64 rows to Hopper's wgmma, whose
@@ -93,8 +105,21 @@ def shared_memory(launch: DecodeLaunch, *, rows: int, head_dim: int,
   tiles, head dims 128 and 256); for 16-bit below 64 rows every launch
   ran, the largest (32 rows, D=256, 64-key tiles, 4 stages) at the
   model's 221312 bytes, so the model is an upper bound there.
+
+  itemsize 1 (an FP8 query and cache, converted to FP8_COMPUTE_DTYPE in
+  registers) is an upper bound, not yet calibrated on a GPU: the query
+  tile in 16 bits, `num_stages` buffered FP8 key and value tiles (the
+  16-bit pipelines hold num_stages or num_stages - 1), one converted
+  16-bit key and value tile each (wgmma reads its B operand from shared
+  memory), and the float32 probability tile, whatever the instruction.
   """
   head_dim_p = tiles.head_dim_padded(head_dim)
+  if itemsize == 1:
+    wide = jnp.dtype(FP8_COMPUTE_DTYPE).itemsize
+    return (head_dim_p * (wide * rows
+                          + 2 * launch.num_stages * launch.block_k
+                          + 2 * wide * launch.block_k)
+            + 4 * rows * (launch.block_k + 1))
   if itemsize == 2 and rows >= WGMMA_MIN_ROWS:
     return itemsize * head_dim_p * (
         rows + 2 * launch.num_stages * launch.block_k)
@@ -168,11 +193,18 @@ def _paged_tile(ref, k_start, *, block_k: int, head_dim: int, batch,
 
 
 def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
-                  slopes_ref, o_ref, lse_ref, *, mask: MaskSpec, scale: float,
-                  soft_cap: float | None, block_k: int, head_dim: int,
-                  num_tokens: int, group: int, num_splits: int,
-                  row_offset: int = 0):
+                  slopes_ref, qk_descale_ref, v_descale_ref, o_ref, lse_ref, *,
+                  mask: MaskSpec, scale: float, soft_cap: float | None,
+                  block_k: int, head_dim: int, num_tokens: int, group: int,
+                  num_splits: int, row_offset: int = 0):
   split, batch = pl.program_id(0), pl.program_id(1)
+  fp8 = qk_descale_ref is not None
+  if fp8:
+    # The program's (batch, kv head) descales: q's x k's scales the logits
+    # (a traced scalar in place of the static scale), v's the output.
+    head = pl.program_id(2)
+    scale = scale * plgpu.load(qk_descale_ref.at[batch, head])
+    v_descale = plgpu.load(v_descale_ref.at[batch, head])
   rows_padded = q_ref.shape[0]
   kv_len = plgpu.load(lengths_ref.at[batch])
   load_tile = functools.partial(
@@ -198,6 +230,8 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
 
   q = tiles.load_tile(q_ref, 0, rows_padded, seq_len=None,
                       head_dim=head_dim)
+  if fp8:  # Exact: FP8_COMPUTE_DTYPE holds every e4m3 value.
+    q = q.astype(FP8_COMPUTE_DTYPE)
   slope2 = None
   if slopes_ref is not None:
     slope2 = (plgpu.load(slopes_ref.at[:]) * numerics.LOG2_E)[:, None]
@@ -206,6 +240,8 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
     acc, row_max, row_sum = carry
     k_start = k_tile_index * block_k
     k, v = load_tile(k_ref, k_start), load_tile(v_ref, k_start)
+    if fp8:  # One byte per element read; converted in registers.
+      k, v = k.astype(FP8_COMPUTE_DTYPE), v.astype(FP8_COMPUTE_DTYPE)
     logits, _ = numerics.logits_base2(tiles.matmul(q, k, trans_b=True),
                                       scale=scale, soft_cap=soft_cap)
     cols = numerics.tile_columns(k_start, block_k)
@@ -230,14 +266,16 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
       jnp.zeros((rows_padded,), jnp.float32)))
   has_keys = row_sum > 0.0
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
-  out = acc * jnp.where(has_keys, 1.0 / safe_sum, 0.0)[:, None]
+  normalizer = v_descale / safe_sum if fp8 else 1.0 / safe_sum
+  out = acc * jnp.where(has_keys, normalizer, 0.0)[:, None]
   lse = jnp.where(has_keys, row_max + jnp.log2(safe_sum), -jnp.inf)
   tiles.store_tile(o_ref, 0, out, seq_len=rows_padded, head_dim=head_dim)
   tiles.store_row_stats(lse_ref, 0, lse, seq_len=rows_padded)
 
 
 def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
-                q_lengths=None, *, mask: MaskSpec,
+                q_lengths=None, qk_descale=None, v_descale=None, *,
+                mask: MaskSpec,
                 scale: float, soft_cap: float | None, num_tokens: int,
                 group: int, num_splits: int, block_k: int, num_warps: int,
                 num_stages: int, interpret: bool, out_dtype=jnp.float32,
@@ -254,6 +292,9 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
     block_table: int32 [B, max_pages] page ids of each sequence, or None.
     q_lengths: int32 [B] query rows per sequence for the positions (the
       offsets below); None: T.
+    qk_descale, v_descale: with an FP8 (float8_e4m3fn) q_packed, key and
+      value, float32 [B, K]: q_descale x k_descale, which scales the
+      logits, and v_descale, which scales the output; None otherwise.
     mask: MaskSpec(bottom_right causal or not, window, has_lengths=True).
     scale, soft_cap: as flash_attention's.
     num_tokens, group: T and g.
@@ -262,7 +303,7 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
       gathers its rows from several pages).
     interpret: run through the Pallas interpreter.
     out_dtype: the partial outputs' dtype (float32 to be combined; the
-      query dtype when one split's output is final).
+      call's output dtype when one split's output is final).
     row_offset: the packed row index of q_packed's first row (a launch
       over a slice of the rows; see `plan_launch`).
 
@@ -291,6 +332,11 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
                     else whole(block_table)),
       "slopes_ref": (slopes, pl.BlockSpec((None, None, rows_padded),
                                           lambda s, b, h: (b, h, 0))),
+      # Whole [B, K] arrays; each program loads its (batch, kv head)'s.
+      "qk_descale_ref": (qk_descale, None if qk_descale is None
+                         else whole(qk_descale)),
+      "v_descale_ref": (v_descale, None if v_descale is None
+                        else whole(v_descale)),
   }
   present = [name for name, (array, _) in optional.items()
              if array is not None]

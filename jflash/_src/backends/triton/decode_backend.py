@@ -6,6 +6,13 @@ Host side: the query packing (the GQA group x tokens as the rows of one
 tile), the launch plan and split count, and the combine of the split
 partials through their lse (attention sinks as one more partial).
 
+FP8: it takes float8_e4m3fn calls natively (forward only, as every call
+here): the kernel reads the e4m3 query and cache (dense or paged), one
+byte per element, converts tiles in registers (`triton_decode.
+FP8_COMPUTE_DTYPE`) and applies the descales per (batch, kv head): q's x
+k's in the logit scale, v's on the output, which is written in the call's
+`out_dtype`. float8_e5m2 calls run dequantized (registry.plan).
+
 `implementation=None` chooses it, ahead of the training kernels, for every
 call it supports (`check`): on an H100 it was 1.0-2.6x faster than the
 default route of the training kernels on decode batches of 512-32768 keys
@@ -104,14 +111,20 @@ def combine(out_parts, lse2_parts, sink2=None):
 
 def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
                      *, mask, scale, soft_cap, num_splits, interpret,
-                     q_lengths=None):
+                     q_lengths=None, descales=None, out_dtype=None):
   """The split-K kernel and the combine: (out [B, T, N, H], lse2 [B, T, N],
   -inf for rows that see nothing and have no sink).
 
   Positions are `masks.causal_offset`'s with the sequence's query length
   (`q_lengths`, default T): with a bottom-right `mask`, token t sits at
   position L - T + t, for the causal mask, windows and ALiBi.
+
+  `descales`: for an FP8 query and cache, float32 [B, K] (q_descale x
+  k_descale, v_descale); None otherwise. `out_dtype`: the output's dtype
+  (default: the query's).
   """
+  out_dtype = query.dtype if out_dtype is None else out_dtype
+  qk_descale, v_descale = (None, None) if descales is None else descales
   batch, num_tokens, num_heads, _ = query.shape
   num_kv_heads = key.shape[2]
   group = num_heads // num_kv_heads
@@ -126,7 +139,7 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
       jnp.broadcast_to(x[:, None, :], (batch, num_tokens, num_heads)),
       num_kv_heads, rows_padded)
   # One split and no sink: the kernel's output is final (written in the
-  # query dtype) and the combine is skipped.
+  # output dtype) and the combine is skipped.
   final = num_splits == 1 and sinks is None
   q_packed, slopes_packed = _pack(query, num_kv_heads, rows_padded), per_row(
       slopes)
@@ -136,12 +149,13 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
   parts = [
       triton_decode.decode_call(
           rows_of(q_packed, start), key, value, lengths,
-          rows_of(slopes_packed, start), block_table, q_lengths, mask=mask,
+          rows_of(slopes_packed, start), block_table, q_lengths,
+          qk_descale=qk_descale, v_descale=v_descale, mask=mask,
           scale=scale, soft_cap=soft_cap, num_tokens=num_tokens, group=group,
           num_splits=num_splits, block_k=plan.launch.block_k,
           num_warps=plan.launch.num_warps,
           num_stages=plan.launch.num_stages,
-          out_dtype=query.dtype if final else jnp.float32,
+          out_dtype=out_dtype if final else jnp.float32,
           interpret=interpret, row_offset=start)
       for start in range(0, rows_padded, plan.rows)]
   if len(parts) == 1:
@@ -154,13 +168,15 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
   else:
     sink2 = per_row(None if sinks is None else sinks * numerics.LOG2_E)
     out, lse2 = combine(out_parts, lse2_parts, sink2)
-  return (_unpack(out, num_tokens, num_heads).astype(query.dtype),
+  return (_unpack(out, num_tokens, num_heads).astype(out_dtype),
           _unpack(lse2, num_tokens, num_heads))
 
 
 CAPABILITIES = registry.Capabilities(
     passes=frozenset({registry.FORWARD}),
-    dtypes=("float32", "bfloat16", "float16"),
+    # float8_e4m3fn: read as is and converted in the kernel (forward only,
+    # as every call here); float8_e5m2 runs dequantized.
+    dtypes=("float32", "bfloat16", "float16", "float8_e4m3fn"),
     max_head_dim=256,
     mask_features=frozenset({"causal", "bottom_right", "window", "lengths",
                              "paged"}),
@@ -198,14 +214,24 @@ def configure(spec: CallSpec, *, interpret: bool = False,
 
 
 def forward(spec: CallSpec, config: DecodeConfig, operands: Operands):
-  """(out, lse2 [B, N, T], +inf for rows without keys), as every forward."""
+  """(out, lse2 [B, N, T], +inf for rows without keys), as every forward.
+
+  An FP8 call's out is in `spec.out_dtype`; its lse2 is the dequantized
+  logits'."""
   q_lengths, kv_lengths = operands.lengths()
+  descales = None
+  if spec.is_fp8:
+    # Per (batch, kv head): q's and k's descales scale the logits, v's the
+    # output (spec.py's contract).
+    descales = (operands.q_descale * operands.k_descale,
+                operands.v_descale)
   out, lse2 = kernel_attention(
       operands.query, operands.key, operands.value, kv_lengths,
       operands.block_table, operands.sinks, operands.alibi_slopes,
       mask=spec.mask, scale=spec.scale, soft_cap=spec.logits_soft_cap,
       num_splits=config.num_splits, interpret=config.interpret,
-      q_lengths=q_lengths)
+      q_lengths=q_lengths, descales=descales,
+      out_dtype=jnp.dtype(spec.output_dtype))
   if operands.q_lengths is not None:
     # Rows past q_len see nothing (flash_attention's lengths).
     valid = jnp.arange(out.shape[1])[None, :] < q_lengths[:, None]
@@ -225,5 +251,6 @@ BACKEND = registry.Backend(
     backward=None,
     check=check,
     limits=(f"at most {MAX_NEW_TOKENS} query rows per sequence; forward "
-            "only"),
+            "only; float8_e4m3fn natively (the cache read as e4m3, any "
+            "out_dtype), float8_e5m2 dequantized"),
 )
