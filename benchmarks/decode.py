@@ -305,6 +305,38 @@ def fp8_table(num_tokens, rng, json_path=None):
                      jax=jax.__version__, rows=rows), f, indent=1)
 
 
+# fp8_launches: the decode kernel's preferred launches tried on FP8 caches
+# (a 1-byte tile moves half the bytes of a 16-bit one: wider key tiles and
+# deeper pipelines may pay).
+FP8_LAUNCHES = ((64, 4, 4), (128, 4, 4), (128, 4, 3), (128, 8, 3),
+                (256, 8, 2), (64, 4, 6))
+
+
+def fp8_launch_sweep(num_tokens, rng):
+  """The FP8 cache's decode time per preferred launch (decode_backend's
+  DEFAULT_LAUNCH, patched), beside the bfloat16 cache at the default."""
+  print(f"fp8_launches: T={num_tokens}; us per (block_k, warps, stages)")
+  for case in FP8_CASES[:3]:
+    batch, kv_seq, heads, kv_heads, head_dim = case
+    q, k, v, lengths, _ = inputs(case[:4], num_tokens, rng, head_dim)
+    q8, k8, v8, qd, kd, vd = jflash.quantize_qkv(q, k, v)
+    descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    decode = lambda q, k, v, lengths, descales: jflash.decode_attention(
+        q, k, v, lengths, implementation="decode", **descales)
+    line = (f"B={batch} S={kv_seq} D={head_dim}: bf16 default "
+            f"{median_seconds(jax.jit(decode), (q, k, v, lengths, {})) * 1e6:.1f};")
+    for launch in FP8_LAUNCHES:
+      with mock.patch.object(decode_lib, "DEFAULT_LAUNCH",
+                             decode_lib.DecodeLaunch(*launch)):
+        try:
+          seconds = median_seconds(jax.jit(decode),
+                                   (q8, k8, v8, lengths, descales))
+          line += f" fp8 {launch} {seconds * 1e6:.1f};"
+        except Exception as e:  # pylint: disable=broad-except
+          line += f" fp8 {launch} error {type(e).__name__};"
+    print(line, flush=True)
+
+
 def main():
   # pylint: disable-next=global-statement
   global CASES, HEAD_DIM, REPEATS, ITERS, INTERPRET
@@ -315,7 +347,8 @@ def main():
                       help="cases in place of the issue's (table, sweep)")
   parser.add_argument("--parts", nargs="+", default=["table", "sweep",
                                                       "route"],
-                      choices=["table", "sweep", "route", "fp8"])
+                      choices=["table", "sweep", "route", "fp8",
+                               "fp8_launches"])
   parser.add_argument("--json", help="the fp8 part's rows as JSON")
   parser.add_argument("--tiny", action="store_true",
                       help="fp8 part only: a tiny case, kernels "
@@ -338,6 +371,8 @@ def main():
     route(args.tokens, rng)
   if "fp8" in args.parts:
     fp8_table(args.tokens, rng, args.json)
+  if "fp8_launches" in args.parts:
+    fp8_launch_sweep(args.tokens, rng)
 
 
 if __name__ == "__main__":
