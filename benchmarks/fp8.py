@@ -190,6 +190,23 @@ def bench(fn, make_args, iters=10, rounds=5):
   return float(np.median(times))
 
 
+def timed_tflops(fn, make_args, flops):
+  """TFLOP/s of the FP8 kernel call fn (its output, without the lse) on
+  fresh inputs, or the error's first line."""
+  try:
+    return flops / bench(lambda *a: fn(*a)[0], make_args) / 1e12
+  except Exception as e:  # noqa: BLE001 - a row per variant
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def write_json(path, rows):
+  """The rows, with the device and jax version, to `path` (if given)."""
+  if path:
+    with open(path, "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind,
+                     jax=jax.__version__, rows=rows), f, indent=1)
+
+
 def time_all(args) -> int:
   batch, heads, seq = 1, 16, 16384
   settings = [(64, False), (128, False), (256, False), (128, True)]
@@ -234,10 +251,7 @@ def time_all(args) -> int:
           fp8_call, block_sizes=MosaicBlockSizes(block_kv=block_kv,
                                                  num_stages=stages),
           is_causal=causal))
-      try:
-        row[label] = tflops(bench(lambda *a: fn(*a)[0], make))
-      except Exception as e:  # noqa: BLE001
-        row[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      row[label] = timed_tflops(fn, make, flops)
     best = max((v for k, v in row.items() if k.startswith("fp8_")
                 and isinstance(v, float)), default=None)
     row["fp8_best"] = best
@@ -245,10 +259,7 @@ def time_all(args) -> int:
       row["fp8_best_vs_cudnn_bf16"] = best / row["cudnn_bf16"]
     rows.append(row)
     print(json.dumps(row), flush=True)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind,
-                     jax=jax.__version__, rows=rows), f, indent=1)
+  write_json(args.json, rows)
   return 0
 
 
@@ -274,17 +285,11 @@ def sweep(args) -> int:
         fn = jax.jit(functools.partial(fp8_call, block_sizes=tiles,
                                        is_causal=causal,
                                        persistent=persistent))
-        try:
-          row[label] = flops / bench(lambda *a: fn(*a)[0], make) / 1e12
-        except Exception as e:  # noqa: BLE001
-          row[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        row[label] = timed_tflops(fn, make, flops)
     forward.FP8_SOFTMAX_BARRIER = True
     rows.append(row)
     print(json.dumps(row), flush=True)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind,
-                     jax=jax.__version__, rows=rows), f, indent=1)
+  write_json(args.json, rows)
   return 0
 
 
@@ -330,10 +335,7 @@ def accuracy(args) -> int:
                                               reference(*dequantized))
     rows.append(row)
     print(json.dumps(row), flush=True)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind,
-                     jax=jax.__version__, rows=rows), f, indent=1)
+  write_json(args.json, rows)
   return 0
 
 

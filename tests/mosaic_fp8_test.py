@@ -73,6 +73,26 @@ class ValueLayoutTest(absltest.TestCase):
                           range(16))
 
 
+def _case(seed, head_dim, *, q_len, kv_len, valid_q, lengths_and_sinks,
+          batch=2, heads=4, kv_heads=2):
+  """Quantized standard normal q, k, v, their descales, the lengths and
+  the sinks of a case: with `lengths_and_sinks`, batch element 1 has
+  `valid_q` rows and no key, and every head a random sink (else full
+  lengths, no sinks)."""
+  rng = np.random.default_rng(seed)
+  shapes = ((q_len, heads), (kv_len, kv_heads), (kv_len, kv_heads))
+  (q8, qd), (k8, kd), (v8, vd) = (
+      quantize(rng.standard_normal((batch, length, n, head_dim)), kv_heads)
+      for length, n in shapes)
+  q_lengths = jnp.asarray([q_len, valid_q if lengths_and_sinks else q_len],
+                          jnp.int32)
+  kv_lengths = jnp.asarray([kv_len, 0 if lengths_and_sinks else kv_len],
+                           jnp.int32)
+  sinks = (jnp.asarray(rng.standard_normal((batch, heads)), jnp.float32)
+           if lengths_and_sinks else None)
+  return q8, k8, v8, (qd, kd, vd), q_lengths, kv_lengths, sinks
+
+
 @functools.partial(jax.jit, static_argnames=("options", "block_kv"))
 def _model_and_reference(q8, k8, v8, descales, q_lengths, kv_lengths, sinks,
                          *, options, block_kv):
@@ -104,20 +124,9 @@ class ModelTest(parameterized.TestCase):
                                                 lengths_and_sinks):
     # The issue's bound on standard normal inputs: 0.03 relative (the
     # rounding of P to e4m3 costs ~0.02). Rows without keys: exactly 0.
-    rng = np.random.default_rng(1)
-    batch, q_len, kv_len, heads, kv_heads = 2, 96, 160, 4, 2
-    q8, qd = quantize(rng.standard_normal((batch, q_len, heads, head_dim)),
-                      kv_heads)
-    k8, kd = quantize(rng.standard_normal((batch, kv_len, kv_heads,
-                                           head_dim)), kv_heads)
-    v8, vd = quantize(rng.standard_normal((batch, kv_len, kv_heads,
-                                           head_dim)), kv_heads)
-    q_lengths = jnp.asarray([q_len, 40] if lengths_and_sinks
-                            else [q_len, q_len], jnp.int32)
-    kv_lengths = jnp.asarray([kv_len, 0] if lengths_and_sinks
-                             else [kv_len, kv_len], jnp.int32)
-    sinks = (jnp.asarray(rng.standard_normal((batch, heads)), jnp.float32)
-             if lengths_and_sinks else None)
+    q8, k8, v8, (qd, kd, vd), q_lengths, kv_lengths, sinks = _case(
+        1, head_dim, q_len=96, kv_len=160, valid_q=40,
+        lengths_and_sinks=lengths_and_sinks)
     (out, lse2), (ref_out, ref_lse) = _model_and_reference(
         q8, k8, v8, (qd, kd, vd), q_lengths, kv_lengths, sinks,
         options=tuple(options.items()), block_kv=64)
@@ -160,20 +169,9 @@ class HopperTest(parameterized.TestCase):
   )
   def test_kernel_matches_model_and_reference(self, head_dim, options,
                                               lengths_and_sinks):
-    rng = np.random.default_rng(2)
-    batch, q_len, kv_len, heads, kv_heads = 2, 300, 700, 4, 2
-    q8, qd = quantize(rng.standard_normal((batch, q_len, heads, head_dim)),
-                      kv_heads)
-    k8, kd = quantize(rng.standard_normal((batch, kv_len, kv_heads,
-                                           head_dim)), kv_heads)
-    v8, vd = quantize(rng.standard_normal((batch, kv_len, kv_heads,
-                                           head_dim)), kv_heads)
-    q_lengths = jnp.asarray([q_len, 100] if lengths_and_sinks
-                            else [q_len, q_len], jnp.int32)
-    kv_lengths = jnp.asarray([kv_len, 0] if lengths_and_sinks
-                             else [kv_len, kv_len], jnp.int32)
-    sinks = (jnp.asarray(rng.standard_normal((batch, heads)), jnp.float32)
-             if lengths_and_sinks else None)
+    q8, k8, v8, (qd, kd, vd), q_lengths, kv_lengths, sinks = _case(
+        2, head_dim, q_len=300, kv_len=700, valid_q=100,
+        lengths_and_sinks=lengths_and_sinks)
     arguments = dict(
         is_causal=options.get("is_causal", False),
         causal_alignment=("bottom_right" if options.get("bottom_right")

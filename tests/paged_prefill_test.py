@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jflash
 from jflash._src import api
 from jflash._src import platform
 from jflash._src import registry
@@ -113,21 +112,6 @@ CASES = (
 
 class PagedPrefillTest(test_base.BackendTestCase):
 
-  def forward(self, **kwargs):
-    """`self.flash` for a forward-only call: skips (with the registry's
-    reason) only when the target cannot run its forward pass."""
-    bound = {"implementation": self.implementation, **self.options,
-             **kwargs}
-
-    def call(*args, **more):
-      reason = api.unsupported_reason(*args, **bound, **more,
-                                      passes=(registry.FORWARD,))
-      if reason is not None:
-        self.skipTest(f"{self.implementation}: {reason}")
-      return jflash.flash_attention(*args, **bound, **more)
-
-    return call
-
   @parameterized.named_parameters(*CASES)
   def test_matches_the_dense_cache_and_the_reference(
       self, page_size, num_tokens, num_heads, num_kv_heads, kv_seq,
@@ -144,7 +128,7 @@ class PagedPrefillTest(test_base.BackendTestCase):
     kwargs = dict(is_causal=True, causal_alignment="bottom_right",
                   query_seq_lengths=jnp.asarray(q_lengths),
                   key_value_seq_lengths=jnp.asarray(kv_lengths), **options)
-    attend = self.forward(**kwargs)
+    attend = self.flash_forward(**kwargs)
     # One program for both calls (the suite's CPU time is compilation); the
     # dense call's cache entries past the lengths are masked, as jax.nn's,
     # not guarded against NaN: they hold the random inputs.
@@ -174,7 +158,7 @@ class PagedPrefillTest(test_base.BackendTestCase):
     q, k, v, _ = test_util.random_inputs(5, batch=1, q_len=20, kv_len=32)
     key_pages, value_pages, block_table = paged_cache(
         k, v, [32], page_size=16, seed=5)
-    fn = lambda q: jnp.sum(self.forward(is_causal=True)(
+    fn = lambda q: jnp.sum(self.flash_forward(is_causal=True)(
         q, key_pages, value_pages, block_table=block_table))
     with self.assertRaisesRegex(
         NotImplementedError, "reads a paged cache \\(block_table\\) in the "
