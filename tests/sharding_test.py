@@ -182,6 +182,33 @@ class ShardingTest(test_base.BackendTestCase):
                     "communication any sharding needs")
 
   @parameterized.parameters("explicit", "auto")
+  def test_paged_cache(self, mesh_kind):
+    # The block table's rows shard with the batch; the pages are shared by
+    # every batch element, never split along the pages (forward only).
+    q, k, v, _ = _inputs()
+    page, per_sequence = 16, -(-T // 16)
+    # Keys padded to whole pages; the lengths hide the padding.
+    k, v = (jnp.pad(x, [(0, 0), (0, page * per_sequence - T), (0, 0),
+                        (0, 0)]) for x in (k, v))
+    order = np.random.default_rng(0).permutation(B * per_sequence)
+    pool = lambda x: x.reshape(B * per_sequence, page, K, H)[order]
+    table = jnp.asarray(np.argsort(order).reshape(B, per_sequence),
+                        jnp.int32)
+    lengths = jnp.array([T, 31, 17, 9])
+    expected = _unsharded(functools.partial(
+        jflash.flash_attention, implementation="xla",
+        key_value_seq_lengths=lengths), (q, k, v), key=("xla", "paged"))
+    flash = self.flash_forward(block_table=table,
+                               key_value_seq_lengths=lengths)
+    mesh = _mesh(mesh_kind)
+    with jax.set_mesh(mesh):
+      put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+      out = jax.jit(lambda q, k, v: flash(q, k, v))(
+          put(q, LAYOUTS["batch_heads"]), put(pool(k), P()),
+          put(pool(v), P()))
+    chex.assert_trees_all_close(out, expected, atol=1e-5, rtol=1e-5)
+
+  @parameterized.parameters("explicit", "auto")
   def test_sharded_sequence_is_refused(self, mesh_kind):
     self._skip_where_xla_partitions_itself(mesh_kind)
     q, k, v, _ = _inputs()

@@ -67,6 +67,10 @@ _LAYOUTS = {
     "sinks": "bn", "alibi_slopes": "bn", "dropout_seeds": "bn2",
     # FP8 descales, per (batch, kv head): sharded like the kv heads.
     "q_descale": "bk", "k_descale": "bk", "v_descale": "bk",
+    # A paged cache: the table's rows are the batch's; the pages (key and
+    # value, [P, page_size, K, H], `_array_factors`) are shared by every
+    # batch element: never split along P.
+    "block_table": "bm",
     "out": "btnh", "lse2": "bnt", "dout": "btnh", "dlse": "bnt",
     "lse": "btn",  # The natural lse returned to the user.
 }
@@ -143,6 +147,8 @@ def _array_factors(name: str, shape, spec: CallSpec) -> str:
   """The layout letters of one array; size-1 broadcast axes of a dense
   bias or mask become "1" (never sharded)."""
   factors = _LAYOUTS[name]
+  if spec.mask.paged and name in ("key", "value"):
+    factors = "pskh"
   if name in ("bias", "mask"):
     broadcast_batch = shape[0] == 1 and spec.batch != 1
     broadcast_heads = shape[1] == 1 and spec.num_heads != 1
