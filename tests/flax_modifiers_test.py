@@ -22,7 +22,9 @@ _STATIC = ("dropout_rate", "broadcast_dropout", "deterministic")
 
 
 def _inputs(seed, shape=(2, 16, FEATURES)):
-  return jax.random.normal(jax.random.key(seed), shape)
+  # Drawn with NumPy: jax.random compiles a sampler for every new shape.
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(
+      shape, np.float32))
 
 
 class AttentionFnTest(absltest.TestCase):
@@ -76,7 +78,9 @@ class AttentionFnTest(absltest.TestCase):
     linen_layer = nn.MultiHeadDotProductAttention(
         num_heads=4, dropout_rate=0.2,
         attention_fn=jflash.linen.attention_fn(implementation="xla"))
-    variables = linen_layer.init(jax.random.key(0), x, deterministic=True)
+    # Jitted: op by op, init runs (and compiles) every primitive alone.
+    variables = jax.jit(lambda key: linen_layer.init(
+        key, x, deterministic=True))(jax.random.key(0))
     apply = jax.jit(lambda seed: linen_layer.apply(
         variables, x, deterministic=False,
         rngs={"dropout": jax.random.key(seed)}))
@@ -92,15 +96,17 @@ class NnxModuleTest(absltest.TestCase):
         implementation="xla", rngs=nnx.Rngs(0, dropout=5))
     x = _inputs(10)
     first, second = make(), make()
-    chex.assert_trees_all_equal(first(x, deterministic=False),
-                                second(x, deterministic=False))
+    # Jitted (nnx.jit carries the modules' rng streams in and out): op by
+    # op, each call compiles every primitive alone.
+    train = nnx.jit(lambda m: m(x, deterministic=False))
+    chex.assert_trees_all_equal(train(first), train(second))
     # Training differs from evaluation; call-time rngs take precedence.
     self.assertGreater(float(jnp.max(jnp.abs(
-        first(x, deterministic=False) - second(x, deterministic=True)))),
+        train(first) - nnx.jit(lambda m: m(x, deterministic=True))(second)))),
                        1e-3)
-    chex.assert_trees_all_equal(
-        first(x, deterministic=False, rngs=nnx.Rngs(dropout=3)),
-        second(x, deterministic=False, rngs=nnx.Rngs(dropout=3)))
+    with_rngs = nnx.jit(lambda m, rngs: m(x, deterministic=False, rngs=rngs))
+    chex.assert_trees_all_equal(with_rngs(first, nnx.Rngs(dropout=3)),
+                                with_rngs(second, nnx.Rngs(dropout=3)))
     no_rngs = jflash.nnx.FlashMultiHeadAttention(
         num_heads=4, in_features=FEATURES, dropout_rate=0.3, decode=False,
         implementation="xla", keep_rngs=False, rngs=nnx.Rngs(0))
@@ -138,22 +144,27 @@ class LinenModuleTest(absltest.TestCase):
     layer = jflash.linen.FlashMultiHeadDotProductAttention(
         num_heads=4, dropout_rate=0.3, use_sinks=True, implementation="xla")
     x = _inputs(12)
-    variables = layer.init(jax.random.key(0), x, deterministic=True)
+    # Every call jitted (as the stock modules' above): op by op, each call
+    # compiles every primitive alone.
+    variables = jax.jit(lambda key: layer.init(key, x, deterministic=True))(
+        jax.random.key(0))
     np.testing.assert_array_equal(variables["params"]["sinks"],
                                   np.zeros(4))
     apply = lambda **kw: layer.apply(variables, x, deterministic=False, **kw)
-    chex.assert_trees_all_equal(apply(rngs={"dropout": jax.random.key(1)}),
-                                apply(rngs={"dropout": jax.random.key(1)}))
+    stream = jax.jit(lambda key: apply(rngs={"dropout": key}))
+    chex.assert_trees_all_equal(stream(jax.random.key(1)),
+                                stream(jax.random.key(1)))
     # An explicit dropout_rng takes precedence over the rng stream.
+    explicit = jax.jit(lambda key: apply(dropout_rng=key))
     chex.assert_trees_all_equal(
-        apply(rngs={"dropout": jax.random.key(1)},
-              dropout_rng=jax.random.key(2)),
-        apply(dropout_rng=jax.random.key(2)))
+        jax.jit(lambda stream_key, key: apply(
+            rngs={"dropout": stream_key}, dropout_rng=key))(
+                jax.random.key(1), jax.random.key(2)),
+        explicit(jax.random.key(2)))
+    evaluate = lambda v: layer.apply(v, x, deterministic=True)
     self.assertGreater(float(jnp.max(jnp.abs(
-        apply(dropout_rng=jax.random.key(2))
-        - layer.apply(variables, x, deterministic=True)))), 1e-3)
-    grads = jax.grad(lambda v: jnp.sum(
-        layer.apply(v, x, deterministic=True) ** 2))(variables)
+        explicit(jax.random.key(2)) - jax.jit(evaluate)(variables)))), 1e-3)
+    grads = jax.jit(jax.grad(lambda v: jnp.sum(evaluate(v) ** 2)))(variables)
     self.assertGreater(float(jnp.max(jnp.abs(grads["params"]["sinks"]))),
                        0.0)
 

@@ -1,5 +1,7 @@
 """jflash.nnx against flax.nnx.MultiHeadAttention, by copying parameters."""
 
+import functools
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -27,8 +29,45 @@ WIRING = KERNELS if test_util.ON_GPU else dict(implementation="xla")
 
 
 def _inputs(seed, batch=2, length=24, features=FEATURES, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), (batch, length, features),
-                           dtype)
+  # Drawn with NumPy: jax.random compiles a sampler for every new shape.
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.standard_normal((batch, length, features),
+                                         np.float32), dtype)
+
+
+def _split_options(kwargs):
+  """A call's keyword arguments: (arrays, the rest as hashable pairs)."""
+  arrays = {k: v for k, v in kwargs.items()
+            if isinstance(v, (jax.Array, np.ndarray))}
+  static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
+  return arrays, static
+
+
+def _forward_and_grads(module, args, arrays, cotangent, static):
+  """The output of the call and the parameter gradients of
+  sum(output * cotangent)."""
+
+  def loss(m):
+    out = m(*args, **arrays, **dict(static))
+    return jnp.sum(out * cotangent), out
+
+  (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(module)
+  return out, grads
+
+
+@functools.partial(nnx.jit,
+                   static_argnames=("stock_static", "ours_static", "kernels"))
+def _both_forward_and_grads(stock, ours, args, stock_arrays, ours_arrays,
+                            cotangent, stock_static, ours_static, kernels):
+  """_forward_and_grads of both modules, in one program (each program
+  compiled costs ~0.4 s of CPU besides its size); with `kernels`, ours's
+  forward alone as well: the kernels' forward pass without residuals."""
+  results = (
+      _forward_and_grads(stock, args, stock_arrays, cotangent, stock_static),
+      _forward_and_grads(ours, args, ours_arrays, cotangent, ours_static))
+  if kernels:
+    results += (ours(*args, **ours_arrays, **dict(ours_static)),)
+  return results
 
 
 class NnxTest(parameterized.TestCase):
@@ -52,16 +91,37 @@ class NnxTest(parameterized.TestCase):
     nnx.update(ours, nnx.state(stock, nnx.Param))
     return stock, ours
 
-  def _assert_same_outputs_and_grads(self, stock, ours, call_stock, call_ours,
-                                     tol=2e-5):
-    # The stock module jitted too: op by op, its gradient alone costs ~3 s
-    # of CPU (each primitive compiled on its own), jitted ~0.8 s.
-    out_stock, out_ours = nnx.jit(call_stock)(stock), nnx.jit(call_ours)(ours)
-    chex.assert_trees_all_close(out_ours, out_stock, rtol=tol, atol=tol)
-    cotangent = jax.random.normal(jax.random.key(9), out_stock.shape)
-    loss = lambda call: lambda m: jnp.sum(call(m) * cotangent)
-    grads_stock = nnx.jit(nnx.grad(loss(call_stock)))(stock)
-    grads_ours = nnx.jit(nnx.grad(loss(call_ours)))(ours)
+  def _assert_same_outputs_and_grads(self, stock, ours, args, stock_kwargs,
+                                     ours_kwargs=None, *, keep=None,
+                                     kernels=WIRING is KERNELS, tol=2e-5):
+    """stock(*args, **stock_kwargs) and ours(*args, **ours_kwargs) (default:
+    the same keywords) give the same outputs and parameter gradients.
+
+    Both modules' outputs and gradients come from one jitted program (op by
+    op, the stock module's gradient alone costs ~3 s of CPU). With
+    `kernels` (ours runs the kernels: KERNELS, and WIRING on a GPU), ours
+    also runs its forward alone, the kernels' forward pass without
+    residuals. `keep` (0/1, broadcast to the output) selects what is
+    compared: outputs times keep, and the gradients that keep * output
+    induces.
+    """
+    ours_kwargs = stock_kwargs if ours_kwargs is None else ours_kwargs
+    stock_arrays, stock_static = _split_options(stock_kwargs)
+    ours_arrays, ours_static = _split_options(ours_kwargs)
+    shape = (*args[0].shape[:-1], stock.out_features)
+    cotangent = jnp.asarray(
+        np.random.default_rng(9).standard_normal(shape, np.float32))
+    if keep is not None:
+      cotangent = cotangent * keep
+    (out_stock, grads_stock), (out_ours, grads_ours), *forward = (
+        _both_forward_and_grads(stock, ours, args, stock_arrays, ours_arrays,
+                                cotangent, stock_static, ours_static,
+                                kernels))
+    outs_ours = [out_ours, *forward]
+    masked = (lambda out: out) if keep is None else (lambda out: out * keep)
+    for out in outs_ours:
+      chex.assert_trees_all_close(masked(out), masked(out_stock), rtol=tol,
+                                  atol=tol)
     chex.assert_trees_all_close(nnx.state(grads_ours), nnx.state(grads_stock),
                                 rtol=tol, atol=tol)
 
@@ -78,10 +138,12 @@ class NnxTest(parameterized.TestCase):
   )
   def test_parity_with_stock_module(self, kwargs, is_causal, cross, backend):
     stock, ours = self._pair(backend, **kwargs)
-    x = _inputs(1)
-    context = _inputs(2, length=17, features=16) if cross else None
-    call = lambda m: m(x, context, is_causal=is_causal)
-    self._assert_same_outputs_and_grads(stock, ours, call, call)
+    args = (_inputs(1),)
+    if cross:
+      args += (_inputs(2, length=17, features=16),)
+    self._assert_same_outputs_and_grads(
+        stock, ours, args, dict(is_causal=is_causal),
+        kernels=backend is KERNELS)
 
   def test_padding_lengths_match_stock_padding_mask(self):
     stock, ours = self._pair(num_kv_heads=2)
@@ -95,10 +157,9 @@ class NnxTest(parameterized.TestCase):
     # values; compare the valid rows (and the gradients they induce).
     keep = q_valid[..., None].astype(jnp.float32)
     self._assert_same_outputs_and_grads(
-        stock, ours,
-        lambda m: m(x, mask=mask) * keep,
-        lambda m: m(x, query_seq_lengths=q_lens,
-                    key_value_seq_lengths=kv_lens) * keep)
+        stock, ours, (x,), dict(mask=mask),
+        dict(query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens),
+        keep=keep)
 
   def test_segment_ids_match_stock_segment_mask(self):
     # Two packed batch elements, segments of odd lengths, causal within each.
@@ -109,9 +170,8 @@ class NnxTest(parameterized.TestCase):
         nnx.make_attention_mask(ids, ids, pairwise_fn=jnp.equal),
         nnx.make_causal_mask(x[..., 0]))
     self._assert_same_outputs_and_grads(
-        stock, ours, lambda m: m(x, mask=mask),
-        lambda m: m(x, is_causal=True, q_segment_ids=ids,
-                    kv_segment_ids=ids))
+        stock, ours, (x,), dict(mask=mask),
+        dict(is_causal=True, q_segment_ids=ids, kv_segment_ids=ids))
     ours.init_cache(x.shape)
     with self.assertRaisesRegex(ValueError, "Segment ids.*decode"):
       ours(x[:, :1], decode=True, q_segment_ids=ids[:, :1],
@@ -123,10 +183,11 @@ class NnxTest(parameterized.TestCase):
     # The interpreted kernels end to end on CPU: their dense-mask tiles.
     stock, ours = self._pair(KERNELS, num_kv_heads=2)
     x = _inputs(14)
-    mask = jax.random.bernoulli(jax.random.key(15), 0.7, (2, 4, 24, 24))
-    mask = mask.at[..., 0].set(True)
-    self._assert_same_outputs_and_grads(
-        stock, ours, lambda m: m(x, mask=mask), lambda m: m(x, mask=mask))
+    mask = np.random.default_rng(15).random((2, 4, 24, 24)) < 0.7
+    mask[..., 0] = True
+    self._assert_same_outputs_and_grads(stock, ours, (x,),
+                                        dict(mask=jnp.asarray(mask)),
+                                        kernels=True)
 
   def test_attention_fn_in_stock_module(self):
     stock = nnx.MultiHeadAttention(num_heads=4, in_features=FEATURES,
@@ -136,8 +197,8 @@ class NnxTest(parameterized.TestCase):
         num_heads=4, in_features=FEATURES, num_kv_heads=2, decode=False,
         attention_fn=jflash.nnx.attention_fn(**WIRING),
         rngs=nnx.Rngs(0))
-    call = lambda m: m(_inputs(4), is_causal=True)
-    self._assert_same_outputs_and_grads(stock, plugged, call, call)
+    self._assert_same_outputs_and_grads(stock, plugged, (_inputs(4),),
+                                        dict(is_causal=True))
 
   @parameterized.named_parameters(("mha", 4), ("gqa", 2))
   def test_decode_matches_full_causal_attention(self, num_kv_heads):
@@ -179,25 +240,33 @@ class NnxTest(parameterized.TestCase):
     ours.cache_index[...] = jnp.array([5, 3], jnp.int32)
     token = _inputs(7, length=1)
     step = step(ours, token)
-    for b, length in ((0, 5), (1, 3)):
-      sequence = jnp.concatenate([x[b:b + 1, :length], token[b:b + 1]], 1)
-      expected = ours(sequence, is_causal=True, decode=False)[:, -1]
-      chex.assert_trees_all_close(step[b:b + 1, 0], expected, rtol=2e-5,
+    lengths = (5, 3)
+    sequences = [jnp.concatenate([x[b:b + 1, :length], token[b:b + 1]], 1)
+                 for b, length in enumerate(lengths)]
+    # Both full forward passes in one jitted program (op by op, each
+    # primitive compiles alone).
+    expected = nnx.jit(lambda m, sequences: [
+        m(sequence, is_causal=True, decode=False)[:, -1]
+        for sequence in sequences])(ours, sequences)
+    for b in range(len(lengths)):
+      chex.assert_trees_all_close(step[b:b + 1, 0], expected[b], rtol=2e-5,
                                   atol=2e-5)
 
   def test_transforms(self):
     _, ours = self._pair(num_kv_heads=2)
     xs = jnp.stack([_inputs(8), _inputs(9)])  # [2, batch, length, features]
     call = lambda m, x: m(x, is_causal=True)
+    # Op by op: the reference of the jitted call.
     expected = jnp.stack([call(ours, x) for x in xs])
-    jitted = nnx.jit(call)
-    chex.assert_trees_all_close(jitted(ours, xs[0]), expected[0], rtol=1e-5,
-                                atol=1e-5)
-    vmapped = nnx.vmap(call, in_axes=(None, 0))(ours, xs)
-    chex.assert_trees_all_close(vmapped, expected, rtol=1e-5, atol=1e-5)
     loss = lambda m, x: jnp.sum(call(m, x) ** 2)
-    grads = nnx.grad(loss)(ours, xs[0])
-    remat_grads = nnx.grad(nnx.remat(loss))(ours, xs[0])
+    # The call, vmap, grad and remat in one jitted program (op by op, vmap,
+    # grad and remat compiled ~130 primitives alone).
+    jitted, vmapped, grads, remat_grads = nnx.jit(lambda m, xs: (
+        call(m, xs[0]), nnx.vmap(call, in_axes=(None, 0))(m, xs),
+        nnx.grad(loss)(m, xs[0]), nnx.grad(nnx.remat(loss))(m, xs[0])))(
+            ours, xs)
+    chex.assert_trees_all_close(jitted, expected[0], rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(vmapped, expected, rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(nnx.state(remat_grads), nnx.state(grads),
                                 rtol=1e-5, atol=1e-5)
     chex.assert_tree_all_finite(nnx.state(grads))
@@ -205,12 +274,15 @@ class NnxTest(parameterized.TestCase):
   def test_mixed_precision(self):
     stock, ours = self._pair(dtype=jnp.bfloat16, param_dtype=jnp.float32)
     x = _inputs(10)
-    out = ours(x, is_causal=True)
+    # Both calls in one jitted program (op by op, each primitive compiles
+    # alone).
+    out, expected = nnx.jit(lambda ours, stock: (
+        ours(x, is_causal=True), stock(x, is_causal=True)))(ours, stock)
     self.assertEqual(out.dtype, jnp.bfloat16)
     self.assertEqual(ours.query.kernel.dtype, jnp.float32)
     chex.assert_trees_all_close(out.astype(jnp.float32),
-                                stock(x, is_causal=True).astype(jnp.float32),
-                                rtol=0.05, atol=0.05)
+                                expected.astype(jnp.float32), rtol=0.05,
+                                atol=0.05)
 
   def test_soft_cap_matches_the_function(self):
     _, ours = self._pair()
@@ -219,15 +291,16 @@ class NnxTest(parameterized.TestCase):
         **WIRING, rngs=nnx.Rngs(1))
     nnx.update(capped, nnx.state(ours, nnx.Param))
     x = _inputs(13)
-    q, k, v = ours.query(x), ours.key(x), ours.value(x)
-    expected = ours.out(jflash.flash_attention(
-        q, k, v, is_causal=True, logits_soft_cap=0.5, implementation="xla"))
-    chex.assert_trees_all_close(
-        nnx.jit(lambda m, x: m(x, is_causal=True))(capped, x), expected,
-        rtol=2e-5, atol=2e-5)
+    # All three in one jitted program (op by op, each primitive compiles
+    # alone).
+    got, uncapped, expected = nnx.jit(lambda capped, m: (
+        capped(x, is_causal=True), m(x, is_causal=True),
+        m.out(jflash.flash_attention(
+            m.query(x), m.key(x), m.value(x), is_causal=True,
+            logits_soft_cap=0.5, implementation="xla"))))(capped, ours)
+    chex.assert_trees_all_close(got, expected, rtol=2e-5, atol=2e-5)
     # The cap changes the result (0.5 is far below these logits).
-    self.assertGreater(float(jnp.max(jnp.abs(ours(x, is_causal=True)
-                                             - expected))), 1e-3)
+    self.assertGreater(float(jnp.max(jnp.abs(uncapped - expected))), 1e-3)
 
   def test_sliding_window_decode_matches_full_attention(self):
     _, ours = self._pair(num_kv_heads=2)
@@ -236,10 +309,13 @@ class NnxTest(parameterized.TestCase):
         local_window_size=(3, 0), **WIRING, rngs=nnx.Rngs(1))
     nnx.update(windowed, nnx.state(ours, nnx.Param))
     x = _inputs(14, length=10)
-    full = nnx.jit(lambda m, x: m(x, is_causal=True))(windowed, x)
-    q, k, v = ours.query(x), ours.key(x), ours.value(x)
-    expected = ours.out(jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, local_window_size=(3, 0)))
+    # With the reference, in one jitted program (op by op, each primitive
+    # compiles alone).
+    full, expected = nnx.jit(lambda windowed, m: (
+        windowed(x, is_causal=True),
+        m.out(jax.nn.dot_product_attention(
+            m.query(x), m.key(x), m.value(x), is_causal=True,
+            local_window_size=(3, 0)))))(windowed, ours)
     chex.assert_trees_all_close(full, expected, rtol=2e-5, atol=2e-5)
     windowed.init_cache(x.shape)
     step = nnx.jit(lambda m, token: m(token, decode=True))
@@ -275,9 +351,12 @@ class NnxTest(parameterized.TestCase):
     nnx.update(plugged, nnx.state(stock, nnx.Param))
     x = _inputs(12)
     mask = nnx.make_causal_mask(x[..., 0])
+    # The three calls in one jitted program (op by op, each primitive
+    # compiles alone).
     with jax.default_matmul_precision("highest"):
-      expected, unmasked = stock(x, mask=mask), stock(x)
-    got = plugged(x, mask=mask)
+      expected, unmasked, got = nnx.jit(lambda stock, plugged: (
+          stock(x, mask=mask), stock(x), plugged(x, mask=mask)))(stock,
+                                                                 plugged)
     chex.assert_trees_all_close(got, expected, rtol=2e-5, atol=2e-5)
     # The mask matters here, so a dropped mask could not pass the check.
     self.assertGreater(float(jnp.max(jnp.abs(unmasked - expected))), 1e-2)
