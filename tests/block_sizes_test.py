@@ -2,7 +2,6 @@
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import jax.numpy as jnp
 
 import jflash
 from jflash._src.backends.triton import block_sizes
