@@ -75,11 +75,17 @@ def evaluate_jaxpr(jaxpr: core.Jaxpr, consts, *args) -> list[np.ndarray]:
   # Integer overflow wraps (as in XLA), without NumPy's warning.
   with np.errstate(over="ignore"):
     for eqn in jaxpr.eqns:
-      rule = _RULES.get(eqn.primitive.name)
+      name, params = eqn.primitive.name, eqn.params
+      if name == "call_hi_primitive":
+        # JAX >= 0.12's higher-level primitives (jnp.searchsorted's
+        # SearchSorted): the rule of the primitive object's class.
+        hi = params["_prim"]
+        name, params = type(hi).__name__, hi.params
+      rule = _RULES.get(name)
       if rule is None:
         _unsupported(str(eqn))
       (var,) = eqn.outvars
-      x = np.asarray(rule(*(read(v) for v in eqn.invars), **eqn.params))
+      x = np.asarray(rule(*(read(v) for v in eqn.invars), **params))
       if (x.shape, x.dtype) != (var.aval.shape, var.aval.dtype):
         raise AssertionError(f"{eqn.primitive} gave {x.dtype}"
                              f"{list(x.shape)}, not {var.aval}")
@@ -229,6 +235,23 @@ def _gather(operand, indices, *, dimension_numbers, slice_sizes, mode,
   return np.expand_dims(operand[tuple(index)], numbers.offset_dims)
 
 
+@_integers_only
+def _search_sorted(sorted_values, queries, *, side, dimension, batch_dims,
+                   method):
+  """jnp.searchsorted's SearchSorted (JAX >= 0.12, a `call_hi_primitive`;
+  older versions lower it to the primitives above): per batch index (the leading `batch_dims` axes of
+  both operands), np.searchsorted of the queries in the sorted axis."""
+  del method  # How XLA searches; the positions are the same.
+  if dimension != batch_dims or sorted_values.ndim != batch_dims + 1:
+    _unsupported(f"SearchSorted along {dimension} with {batch_dims} batch "
+                 f"dims of a {sorted_values.ndim}-d operand")
+  positions = np.empty(queries.shape, np.int32)
+  for index in np.ndindex(*queries.shape[:batch_dims]):
+    positions[index] = np.searchsorted(sorted_values[index], queries[index],
+                                       side=side)
+  return positions
+
+
 # rule(*operands, **params) of each primitive: NumPy's ufunc where the
 # primitive has no parameters.
 _RULES = {
@@ -268,4 +291,5 @@ _RULES = {
     "reduce_min": _reduce(np.minimum, lowest=False),
     "reduce_sum": _reduce_sum,
     "gather": _gather,
+    "SearchSorted": _search_sorted,
 }

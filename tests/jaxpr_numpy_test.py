@@ -7,6 +7,8 @@ index arithmetic meets (negative operands, division by zero, int32
 overflow, indices past an array, empty reductions).
 """
 
+import functools
+
 from absl.testing import absltest
 import chex
 import jax
@@ -61,7 +63,11 @@ def _indexing(x, y, table):
   return dict(
       read=read(x, y),
       left=jnp.searchsorted(y, x, side="left", method="compare_all"),
-      right=jnp.searchsorted(y, x, side="right", method="compare_all"))
+      right=jnp.searchsorted(y, x, side="right", method="compare_all"),
+      # Per row of a batch (SearchSorted's batch dims on JAX >= 0.12).
+      batched=jax.vmap(functools.partial(
+          jnp.searchsorted, side="right", method="compare_all"))(
+          jnp.stack([y, y - 1]), jnp.stack([x, x + 1])))
 
 
 def _floats(lse, rows, q_len):
