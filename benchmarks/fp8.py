@@ -55,15 +55,9 @@ FP8 = jnp.float8_e4m3fn
 
 def quantize(x, num_kv_heads: int):
   """Per (batch, kv head) e4m3 quantization of x [B, L, heads, H]: (x8,
-  descale [B, K]), x ~= x8 * descale (query heads in kv-head groups)."""
-  batch, length, heads, dim = x.shape
-  grouped = x.reshape(batch, length, num_kv_heads, heads // num_kv_heads,
-                      dim)
-  amax = jnp.max(jnp.abs(grouped), axis=(1, 3, 4))
-  descale = jnp.maximum(amax, 1e-12) / E4M3_MAX
-  per_head = jnp.repeat(descale, heads // num_kv_heads, axis=1)
-  x8 = (x / per_head[:, None, :, None]).astype(FP8)
-  return x8, descale.astype(jnp.float32)
+  descale [B, K]) (`jflash.quantize_fp8`; query heads in kv-head
+  groups)."""
+  return jflash.quantize_fp8(x, num_groups=num_kv_heads)
 
 
 def fp8_call(q8, k8, v8, descales, *, block_sizes, sinks=None, q_lengths=None,
@@ -140,7 +134,7 @@ def check(args) -> int:
           q_lengths=extra.get("q_lengths"),
           kv_lengths=extra.get("kv_lengths"),
           segment_ids=extra.get("segment_ids"), **mask)
-      deq = [mosaic_fp8_model.dequantize(x8, ds, kh)
+      deq = [jflash.dequantize_fp8(x8, ds)
              for x8, ds in ((q8, qd), (k8, kd), (v8, vd))]
       full = lambda m: jnp.full((b,), m, jnp.int32)
       reference = xla.attention_reference(

@@ -88,11 +88,3 @@ def fp8_forward_model(q8, k8, v8, descales, *, scale: float, block_kv: int,
   out = jnp.moveaxis(out, 3, 1).reshape(batch, q_seq, num_heads, head_dim)
   return out.astype(out_dtype), lse2.reshape(batch, num_heads, q_seq)
 
-
-def dequantize(x8, descale, num_kv_heads: int):
-  """float32 values of e4m3 x8 [B, L, heads, H] with descale [B, K] (per
-  kv head; query heads in groups)."""
-  batch, _, heads, _ = x8.shape
-  per_head = jnp.repeat(jnp.broadcast_to(descale, (batch, num_kv_heads)),
-                        heads // num_kv_heads, axis=1)
-  return x8.astype(jnp.float32) * per_head[:, None, :, None]

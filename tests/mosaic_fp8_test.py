@@ -38,16 +38,6 @@ def relabelled_column(position: int) -> int:
   return 8 * (e // 2) + 2 * c + e % 2
 
 
-def quantize(x, num_kv_heads):
-  """Per (batch, kv head) e4m3 quantization: (x8, descale [B, K])."""
-  batch, length, heads, dim = x.shape
-  grouped = np.abs(x).reshape(batch, length, num_kv_heads, -1, dim)
-  descale = np.maximum(grouped.max(axis=(1, 3, 4)), 1e-12) / 448.0
-  per_head = np.repeat(descale, heads // num_kv_heads, axis=1)
-  x8 = jnp.asarray(x / per_head[:, None, :, None]).astype(jnp.float8_e4m3fn)
-  return x8, jnp.asarray(descale, jnp.float32)
-
-
 class ValueLayoutTest(absltest.TestCase):
 
   def test_permuted_values_make_the_relabelled_product_exact(self):
@@ -82,7 +72,9 @@ def _case(seed, head_dim, *, q_len, kv_len, valid_q, lengths_and_sinks,
   rng = np.random.default_rng(seed)
   shapes = ((q_len, heads), (kv_len, kv_heads), (kv_len, kv_heads))
   (q8, qd), (k8, kd), (v8, vd) = (
-      quantize(rng.standard_normal((batch, length, n, head_dim)), kv_heads)
+      jflash.quantize_fp8(rng.standard_normal((batch, length, n, head_dim),
+                                              np.float32),
+                          num_groups=kv_heads)
       for length, n in shapes)
   q_lengths = jnp.asarray([q_len, valid_q if lengths_and_sinks else q_len],
                           jnp.int32)
@@ -98,13 +90,12 @@ def _model_and_reference(q8, k8, v8, descales, q_lengths, kv_lengths, sinks,
                          *, options, block_kv):
   options = {"is_causal": False, **dict(options)}
   soft_cap = options.pop("soft_cap", None)
-  num_kv_heads = k8.shape[2]
   scale = q8.shape[-1]**-0.5
   model = mosaic_fp8_model.fp8_forward_model(
       q8, k8, v8, descales, scale=scale, block_kv=block_kv,
       q_lengths=q_lengths, kv_lengths=kv_lengths, sinks=sinks,
       soft_cap=soft_cap, **options)
-  dequantized = [mosaic_fp8_model.dequantize(x8, d, num_kv_heads)
+  dequantized = [jflash.dequantize_fp8(x8, d)
                  for x8, d in zip((q8, k8, v8), descales)]
   reference = xla.attention_reference(
       *dequantized, q_lengths, kv_lengths, scale=scale,
