@@ -187,22 +187,12 @@ def _decode_texts():
   kv_seq = 256
   for shape, (label, kwargs) in itertools.product(shapes, options.items()):
     batch, tokens, heads, kv_heads, head_dim, dtype, page_size = shape
-    kwargs = dict(kwargs)
-    for name in ("sinks", "alibi_slopes"):
-      if name in kwargs:
-        kwargs[name] = kwargs[name][:heads]
-    q = jnp.ones((batch, tokens, heads, head_dim), dtype)
-    k = jnp.ones((batch, kv_seq, kv_heads, head_dim), dtype)
-    lengths = jnp.array([kv_seq, 77], jnp.int32)
-    if page_size is not None:
-      pages = kv_seq // page_size
-      k = jnp.ones((batch * pages, page_size, kv_heads, head_dim), dtype)
-      kwargs["block_table"] = jnp.arange(batch * pages).reshape(batch, pages)
+    q, k, lengths, kwargs = _decode_inputs(
+        batch, tokens, heads, kv_heads, head_dim, dtype, page_size, kv_seq,
+        kwargs)
     run = lambda q, k, v, kwargs=kwargs: jflash.decode_attention(
         q, k, v, lengths, interpret=True, implementation="decode", **kwargs)
-    jaxpr = jax.make_jaxpr(run)(q, k, k)
-    body = "\n\n".join(_describe(e) for e in test_util.equations(
-        jaxpr.jaxpr, "pallas_call"))
+    body = _pallas_calls(run, q, k, k)
     texts.append(f"== decode_attention {label} {shape}\n{body}")
     if page_size is None and label in ("plain", "window"):
       # flash_attention's decode backend (flash_attention's positions).
@@ -212,11 +202,34 @@ def _decode_texts():
           q, k, v, is_causal=True, causal_alignment="bottom_right",
           key_value_seq_lengths=lengths, implementation="decode",
           interpret=True, **kwargs)
-      jaxpr = jax.make_jaxpr(run)(q, k, k)
-      body = "\n\n".join(_describe(e) for e in test_util.equations(
-          jaxpr.jaxpr, "pallas_call"))
+      body = _pallas_calls(run, q, k, k)
       texts.append(f"== flash_attention decode {label} {shape}\n{body}")
   return texts
+
+
+def _decode_inputs(batch, tokens, heads, kv_heads, head_dim, dtype,
+                   page_size, kv_seq, kwargs):
+  """(q, k, lengths, kwargs) of a decode case: ones, the cache dense or in
+  pages (a block table then in kwargs), per-head options cut to `heads`."""
+  kwargs = dict(kwargs)
+  for name in ("sinks", "alibi_slopes"):
+    if name in kwargs:
+      kwargs[name] = kwargs[name][:heads]
+  q = jnp.ones((batch, tokens, heads, head_dim), dtype)
+  k = jnp.ones((batch, kv_seq, kv_heads, head_dim), dtype)
+  lengths = jnp.array([kv_seq, 77], jnp.int32)
+  if page_size is not None:
+    pages = kv_seq // page_size
+    k = jnp.ones((batch * pages, page_size, kv_heads, head_dim), dtype)
+    kwargs["block_table"] = jnp.arange(batch * pages).reshape(batch, pages)
+  return q, k, lengths, kwargs
+
+
+def _pallas_calls(run, *args) -> str:
+  """The pallas_call equations of run(*args)'s jaxpr, described."""
+  jaxpr = jax.make_jaxpr(run)(*args)
+  return "\n\n".join(_describe(e) for e in test_util.equations(
+      jaxpr.jaxpr, "pallas_call"))
 
 
 def _decode_fp8_texts():
@@ -236,24 +249,14 @@ def _decode_fp8_texts():
   fp8 = jnp.float8_e4m3fn
   for shape, (label, kwargs) in itertools.product(shapes, options.items()):
     batch, tokens, heads, kv_heads, head_dim, page_size = shape
-    kwargs = dict(kwargs)
-    for name in ("sinks", "alibi_slopes"):
-      if name in kwargs:
-        kwargs[name] = kwargs[name][:heads]
-    q = jnp.ones((batch, tokens, heads, head_dim), fp8)
-    k = jnp.ones((batch, kv_seq, kv_heads, head_dim), fp8)
-    lengths = jnp.array([kv_seq, 77], jnp.int32)
-    if page_size is not None:
-      pages = kv_seq // page_size
-      k = jnp.ones((batch * pages, page_size, kv_heads, head_dim), fp8)
-      kwargs["block_table"] = jnp.arange(batch * pages).reshape(batch, pages)
+    q, k, lengths, kwargs = _decode_inputs(
+        batch, tokens, heads, kv_heads, head_dim, fp8, page_size, kv_seq,
+        kwargs)
     descales = jnp.full((batch, kv_heads), 0.5, jnp.float32)
     run = lambda q, k, v, d, kwargs=kwargs: jflash.decode_attention(
         q, k, v, lengths, interpret=True, implementation="decode",
         q_descale=d, k_descale=d, v_descale=d, **kwargs)
-    jaxpr = jax.make_jaxpr(run)(q, k, k, descales)
-    body = "\n\n".join(_describe(e) for e in test_util.equations(
-        jaxpr.jaxpr, "pallas_call"))
+    body = _pallas_calls(run, q, k, k, descales)
     texts.append(f"== decode_attention fp8 {label} {shape}\n{body}")
   return texts
 
