@@ -70,7 +70,7 @@ def fp8_call(q8, k8, v8, descales, *, block_sizes, sinks=None, q_lengths=None,
       q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
   spec = describe_call(operands, scale=q8.shape[-1] ** -0.5, **options)
   return forward.forward_call(operands, spec=spec, block_sizes=block_sizes,
-                              fp8_descales=descales, persistent=persistent)
+                              persistent=persistent)
 
 
 def relative(x, ref):

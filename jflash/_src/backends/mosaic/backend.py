@@ -72,15 +72,9 @@ def forward(spec: CallSpec, config: MosaicConfig, operands: Operands):
   """(out, lse2): the warp-specialized forward kernel (FP8 inputs: its FP8
   variant, with the operands' descales). Its TMA loads read dense tiles: a
   paged cache is gathered into a dense one first (paged.py)."""
-  fp8 = None
-  if spec.is_fp8:
-    fp8 = dict(fp8_descales=(operands.q_descale, operands.k_descale,
-                             operands.v_descale),
-               out_dtype=jnp.dtype(spec.output_dtype))
   return forward_kernels.forward_call(paged.dense_operands(operands),
                                       spec=spec,
-                                      block_sizes=config.block_sizes,
-                                      **(fp8 or {}))
+                                      block_sizes=config.block_sizes)
 
 
 def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,

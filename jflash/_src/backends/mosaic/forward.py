@@ -547,26 +547,23 @@ def pad_rows(x, multiple: int):
 
 def forward_call(operands: Operands, *, spec: CallSpec,
                  block_sizes: MosaicBlockSizes,
-                 persistent: bool | None = None,
-                 fp8_descales: tuple | None = None,
-                 out_dtype=jnp.bfloat16):
+                 persistent: bool | None = None):
   """Launches the forward kernel.
 
   Args:
     operands: the call's arrays: query [B, T, N, H], H a multiple of 64;
       key and value [B, S, K, H]; the lengths, segment ids and sinks
-      (float32 [B, N] natural-log sink logits) where `spec` has them.
+      (float32 [B, N] natural-log sink logits) where `spec` has them; for
+      float8_e4m3fn q, k, v their descales (float32 [B, K] each; a real
+      value is the FP8 value times its descale, q's per kv head's group).
     spec: the call.
     block_sizes: the tiles.
     persistent: whether to launch a persistent kernel; None: where
       `is_persistent` allows (True there only, for comparisons).
-    fp8_descales: for float8_e4m3fn q, k, v: their descales (q_descale,
-      k_descale, v_descale), each float32 [B, K] (a real value is the fp8
-      value times its descale; q's applies to the kv head's group).
-    out_dtype: the output's dtype with FP8 inputs.
 
   Returns:
-    (out [B, T, N, H] in query.dtype (FP8: out_dtype), lse2 float32
+    (out [B, T, N, H] in spec.output_dtype (the query's dtype but for FP8
+    calls), lse2 float32
     [B, N, T]).
   """
   q_lengths, kv_lengths = pipeline.kernel_lengths(spec.mask, operands)
@@ -575,10 +572,8 @@ def forward_call(operands: Operands, *, spec: CallSpec,
   batch, q_seq, num_heads, head_dim = query.shape
   kv_seq, num_kv_heads = key.shape[1:3]
   dtype = query.dtype
-  fp8 = fp8_descales is not None
-  if fp8 != (dtype == jnp.float8_e4m3fn):
-    raise ValueError(f"fp8_descales go with float8_e4m3fn inputs; got "
-                     f"{dtype} inputs and fp8_descales={fp8_descales}.")
+  fp8 = spec.is_fp8
+  out_dtype = jnp.dtype(spec.output_dtype)
   query = pad_rows(query, SEQ_ALIGN)
   key = pad_rows(key, SEQ_ALIGN)
   value = (fp8_value_layout(operands.value, block_sizes.block_kv) if fp8
@@ -591,13 +586,9 @@ def forward_call(operands: Operands, *, spec: CallSpec,
                             out_dtype=out_dtype if fp8 else None)
   fp8_scales = None
   if fp8:
-    q_descale, k_descale, v_descale = (
-        jnp.broadcast_to(jnp.asarray(d, jnp.float32), (batch, num_kv_heads))
-        for d in fp8_descales)
-    fp8_scales = jnp.stack([q_descale * k_descale * spec.scale, v_descale],
-                           axis=-1)
-  else:
-    out_dtype = dtype
+    # Validation made each descale float32 [B, K].
+    fp8_scales = jnp.stack([operands.q_descale * operands.k_descale
+                            * spec.scale, operands.v_descale], axis=-1)
   num_tiles = pl.cdiv(q_seq, COMPUTE_WARPGROUPS * block_q)
   if persistent and not is_persistent(spec.mask):
     raise ValueError(f"persistent=True needs a mask without window, lengths "
