@@ -9,11 +9,15 @@ cuDNN's forward measured in the same run, plus the compile time. With
 --backward: forward+backward through `jflash.flash_attention(...,
 block_sizes=MosaicBlockSizes(...))` with the default forward tiles and each
 candidate's backward tiles (BACKWARD_TILES), against cuDNN's forward+
-backward.
+backward. With --ping-pong both: each forward tiling with the consumers'
+ping-pong on named barriers and on an mbarrier rendezvous
+(forward.NAMED_BARRIER_PING_PONG), timed in alternating rounds, cuDNN in
+each round too; medians over the rounds.
 """
 
 import argparse
 import functools
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +78,39 @@ def sweep_backward(shapes, tilings=None):
           print(f"  {name}: {bench.short_error(e)}")
 
 
+def ping_pong_ab(shape, causal, sizes, persistent, rounds):
+  """The forward with each ping-pong (and cuDNN) in alternating rounds:
+  median TFLOP/s per variant, named / mbarrier, and each / cuDNN."""
+  q, k, v, _ = bench.random_inputs(jax.random.key(0), shape, jnp.bfloat16)
+  flop = bench.flops(shape, causal, "fwd")
+  call = api.describe(q, k, v, is_causal=causal)
+  steps = {"cudnn": bench.make_step(bench.attention_fn("cudnn", causal),
+                                    "fwd")}
+  for named in (False, True):
+    # Traced (at the first call, in the first round) with the flag set.
+    forward.NAMED_BARRIER_PING_PONG = named
+    fn = jax.jit(functools.partial(forward.forward_call, spec=call.spec,
+                                   block_sizes=sizes, persistent=persistent))
+    steps["named" if named else "mbarrier"] = (
+        lambda q, k, v, _, fn=fn: fn(Operands(q, k, v)))
+    bench.time_step(steps["named" if named else "mbarrier"],
+                    (q, k, v, None), 1, 1, 1)
+  forward.NAMED_BARRIER_PING_PONG = True
+  times = {name: [] for name in steps}
+  for _ in range(rounds):
+    for name, step in steps.items():
+      times[name].append(bench.time_step(step, (q, k, v, None), 2, 5, 10)[1])
+  tflops = {name: flop / statistics.median(t) / 1e12
+            for name, t in times.items()}
+  print(f"{shape} causal={causal} {sizes.block_q}x{sizes.block_kv} "
+        f"s{sizes.num_stages}: " + " ".join(
+            f"{name} {value:.0f}" for name, value in tflops.items())
+        + f" TFLOP/s; named/mbarrier {tflops['named'] / tflops['mbarrier']:.3f}"
+        f", named/cuDNN {tflops['named'] / tflops['cudnn']:.3f}, "
+        f"mbarrier/cuDNN {tflops['mbarrier'] / tflops['cudnn']:.3f}",
+        flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shapes", nargs="+", type=bench.parse_shape,
@@ -92,6 +129,13 @@ def main():
                       default="auto",
                       help="forward: the persistent kernel where allowed "
                            "(auto), or forced on/off")
+  parser.add_argument("--ping-pong", choices=("named", "both"),
+                      default="named",
+                      help="forward: the default ping-pong (named "
+                           "barriers), or it and the mbarrier rendezvous "
+                           "in alternating rounds (both)")
+  parser.add_argument("--rounds", type=int, default=5,
+                      help="with --ping-pong both: alternating rounds")
   args = parser.parse_args()
   persistent = {"auto": None, "on": True, "off": False}[args.persistent]
   if args.backward:
@@ -101,6 +145,15 @@ def main():
     return
   tiles = TILES if args.tiles is None else [
       tuple(int(x) for x in t.split(",")) for t in args.tiles]
+  if args.ping_pong == "both":
+    print(jax.devices()[0].device_kind, "ping-pong A/B, persistent:",
+          args.persistent)
+    for shape in args.shapes:
+      for causal in (False, True):
+        for tile in tiles:
+          ping_pong_ab(shape, causal, MosaicBlockSizes(*tile), persistent,
+                       args.rounds)
+    return
   print(jax.devices()[0].device_kind, "persistent:", args.persistent)
   for shape in args.shapes:
     for causal in (False, True):

@@ -10,9 +10,12 @@ computes 2 * block_q query rows of one (batch, head) with three warpgroups.
   each: Q^T tile in shared memory, S = Q K^T by wgmma (both operands in
   shared memory), the online softmax in registers in base 2 with the scale
   folded in, then O += P V by wgmma with P from registers.
-- Ping-pong: a two-arrival "schedule" barrier makes the two consumers take
-  turns, so that one's softmax overlaps the other's matrix products (the
-  tensor cores are never idle while a warpgroup computes exponentials).
+- Ping-pong: the two consumers take turns, so that one's softmax overlaps
+  the other's matrix products (the tensor cores are never idle while a
+  warpgroup computes exponentials). Two hardware named barriers, one per
+  consumer, carry the turns one way (`PingPong`): a consumer signals
+  without waiting once it has issued its Q K^T, and waits only before its
+  P V, until the other has issued its own Q K^T.
 - The output goes back through the Q slot of shared memory and a TMA store;
   the lse (base 2, float32, `numerics.py`) through its own small slot.
 
@@ -106,6 +109,14 @@ FP8_KEY_GROUP = 16
 # FP8: an optimization barrier on the softmax's results before the
 # ping-pong's arrival (benchmarks/fp8.py sweep compares both settings).
 FP8_SOFTMAX_BARRIER = True
+# The ping-pong's named barriers (PTX `bar`), one per consumer: ids 0 to 3
+# are Mosaic GPU's (0: the block, 1 + w: warpgroup w's own barrier).
+PING_PONG_BARRIER_IDS = (4, 5)
+# The ping-pong on named barriers (True) or on a two-arrival mbarrier that
+# both consumers arrive on and wait for (False; the earlier scheme, kept
+# for A/B runs: benchmarks/sweep_mosaic.py --ping-pong). RECORD.md
+# 2026-11-25, "named-barrier ping-pong".
+NAMED_BARRIER_PING_PONG = True
 
 
 def smem_transforms(dtype, columns: int | None = None) -> tuple:
@@ -117,6 +128,73 @@ def smem_transforms(dtype, columns: int | None = None) -> tuple:
   swizzle = 128 if columns is None else min(128, columns * itemsize)
   columns = swizzle // itemsize
   return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(swizzle))
+
+
+def _named_barrier(operation: str, barrier_id, num_threads: int):
+  """PTX `bar.<operation> barrier_id, num_threads` for the warpgroup (the
+  id an int32 that may differ between warpgroups)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+  def emit(_, barrier):
+    mgpu_utils.inline_ptx(f"bar.{operation} $0, {num_threads};",
+                          barrier.registers[()], has_side_effects=True,
+                          convergent=True)
+
+  emit(barrier_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class PingPong:
+  """The consumers' turns: `signal` once this consumer has issued its Q K^T
+  (the other may then multiply P V), `wait` before its own P V until the
+  other has issued its Q K^T. Consumer 1 waits once before its first turn
+  and consumer 0 signals once after its last (`start`, `finish`), so that
+  the two alternate: ... QK_j(0), PV_j(1), QK_j+1(1) ... with one's softmax
+  under the other's matrix products.
+
+  Named barriers: consumer w waits on barrier ids[w] and signals on
+  ids[1 - w]; a barrier completes when both warpgroups (2 x 128 threads)
+  have arrived, the waiting one included. A consumer never signals twice
+  before the other has waited (its next signal follows its own wait, which
+  needs the other's signal, which follows the other's wait), which named
+  barriers (no phases) need.
+  Without `named` (the earlier scheme): one two-arrival mbarrier that
+  `signal` and `wait` both arrive on and wait for, a rendezvous.
+  """
+
+  wg: Any
+  schedule: Any
+  named: bool
+
+  def _bar(self, operation: str, own: bool):
+    first, second = PING_PONG_BARRIER_IDS
+    barrier_id = jnp.where((self.wg == 0) == own, first, second)
+    _named_barrier(operation, barrier_id.astype(jnp.int32),
+                   COMPUTE_WARPGROUPS * 128)
+
+  def _rendezvous(self):
+    plgpu.barrier_arrive(self.schedule)
+    plgpu.barrier_wait(self.schedule)
+
+  def signal(self):
+    if self.named:
+      self._bar("arrive", own=False)
+    else:
+      self._rendezvous()
+
+  def wait(self):
+    if self.named:
+      self._bar("sync", own=True)
+    else:
+      self._rendezvous()
+
+  def start(self, when=True):
+    """Consumer 1's first wait (`when`: whether this is its first block)."""
+    pl.when(_and(self.wg == 1, when))(self.wait)
+
+  def finish(self, when=True):
+    """Consumer 0's last signal (`when`: whether this is its last block)."""
+    pl.when(_and(self.wg == 0, when))(self.signal)
 
 
 @jax.tree_util.register_dataclass
@@ -138,7 +216,8 @@ class ForwardScratch:
     k_ready, v_ready: per slot: its K tile (and ids), its V tile loaded.
     k_consumed, v_consumed: per slot: both consumers are done with its K,
       its V.
-    schedule: the consumers' ping-pong (two arrivals).
+    schedule: the ping-pong's mbarrier (two arrivals) where it does not
+      use named barriers (`PingPong`).
     out: FP8 only: [2, block_q, H] in the output dtype, each consumer's
       output tile (with 16-bit inputs the output goes through `qo`).
   """
@@ -238,9 +317,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
   q_ids, kv_ids = pipeline.segment_sources(segments, scratch.q_ids,
                                            scratch.kv_ids)
 
-  def take_turn():
-    plgpu.barrier_arrive(scratch.schedule)
-    plgpu.barrier_wait(scratch.schedule)
+  turns = PingPong(wg, scratch.schedule, NAMED_BARRIER_PING_PONG)
 
   def over_items(run_block):
     """Persistent kernels: run_block(block, base) on each block of this
@@ -291,10 +368,6 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     tile_shape = (block_q, block_kv)
-    rows = q_start + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0,
-                                            layout=wgmma_layout)
-    columns = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
-                                     layout=wgmma_layout)
 
     segment_tiles = functools.partial(
         pipeline.key_tile_segment_ids, row_segments,
@@ -310,13 +383,13 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         plgpu.barrier_arrive(scratch.k_consumed.at[slot])
         plgpu.barrier_wait(scratch.v_ready.at[slot])
         plgpu.barrier_arrive(scratch.v_consumed.at[slot])
-        take_turn()
-        take_turn()
+        turns.signal()
+        turns.wait()
         return carry
 
       def scores(acc_ref):
         plgpu.wgmma(acc_ref, q_tile, scratch.k.at[slot].T)
-        take_turn()
+        turns.signal()
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
@@ -335,6 +408,13 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         logits, _ = numerics.logits_base2(s, scale=logit_scale,
                                           soft_cap=soft_cap)
         if kind == "masked":
+          # The tile's positions, built here rather than once per block:
+          # live across the unmasked loops they cost ~3% causal (H100,
+          # RECORD.md 2026-11-25, "named-barrier ping-pong").
+          rows = q_start + plgpu.broadcasted_iota(
+              jnp.int32, tile_shape, 0, layout=wgmma_layout)
+          columns = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
+                                           layout=wgmma_layout)
           seen = pipeline.key_tile_visible(
               mask, rows, columns, kv_step, block_kv, block.kv_len,
               block.offset, *segment_tiles(slot))
@@ -359,11 +439,9 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         if FP8_SOFTMAX_BARRIER:
           acc, new_max, row_sum, probs = lax.optimization_barrier(
               (acc, new_max, row_sum, probs))
-      # This warpgroup's softmax is done.
-      plgpu.barrier_arrive(scratch.schedule)
       plgpu.barrier_wait(scratch.v_ready.at[slot])
-      # The other one has issued its QK^T.
-      plgpu.barrier_wait(scratch.schedule)
+      # Until the other consumer has issued its Q K^T.
+      turns.wait()
 
       def accumulate(acc_ref):
         # FP8: V's tile is [H, block_kv], keys (the contracted axis)
@@ -394,12 +472,12 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         None if segments is None else segments.group_ranges)
     # The second consumer starts one turn later: from then on the two
     # alternate between matrix products and softmax.
-    pl.when(_and(wg == 1, first))(take_turn)
+    turns.start(when=first)
     for lo, hi, kind in pipeline.consumer_runs(own, block.steps_lo,
                                                block.steps_hi):
       carry = lax.fori_loop(lo, hi, functools.partial(step, kind=kind),
                             carry)
-    pl.when(_and(wg == 0, last))(take_turn)
+    turns.finish(when=last)
     acc, row_max, row_sum = carry
 
     # A row has a visible key iff its sum is positive (masked probabilities
@@ -435,9 +513,9 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         consume(block, base, first=False, last=False)
 
       # The ping-pong's offset (see consume) once for all blocks.
-      pl.when(wg == 1)(take_turn)
+      turns.start()
       over_items(run_block)
-      pl.when(wg == 0)(take_turn)
+      turns.finish()
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == PRODUCER)
