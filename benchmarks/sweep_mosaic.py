@@ -11,7 +11,7 @@ block_sizes=MosaicBlockSizes(...))` with the default forward tiles and each
 candidate's backward tiles (BACKWARD_TILES), against cuDNN's forward+
 backward. With --ping-pong both: each forward tiling with the consumers'
 ping-pong on named barriers and on an mbarrier rendezvous
-(forward.NAMED_BARRIER_PING_PONG), timed in alternating rounds, cuDNN in
+(forward.PING_PONG), timed in alternating rounds, cuDNN in
 each round too; medians over the rounds.
 """
 
@@ -88,14 +88,14 @@ def ping_pong_ab(shape, causal, sizes, persistent, rounds):
                                     "fwd")}
   for named in (False, True):
     # Traced (at the first call, in the first round) with the flag set.
-    forward.NAMED_BARRIER_PING_PONG = named
+    forward.PING_PONG = "named" if named else "mbarrier"
     fn = jax.jit(functools.partial(forward.forward_call, spec=call.spec,
                                    block_sizes=sizes, persistent=persistent))
     steps["named" if named else "mbarrier"] = (
         lambda q, k, v, _, fn=fn: fn(Operands(q, k, v)))
     bench.time_step(steps["named" if named else "mbarrier"],
                     (q, k, v, None), 1, 1, 1)
-  forward.NAMED_BARRIER_PING_PONG = True
+  forward.PING_PONG = "auto"
   times = {name: [] for name in steps}
   for _ in range(rounds):
     for name, step in steps.items():
@@ -129,11 +129,11 @@ def main():
                       default="auto",
                       help="forward: the persistent kernel where allowed "
                            "(auto), or forced on/off")
-  parser.add_argument("--ping-pong", choices=("named", "both"),
-                      default="named",
-                      help="forward: the default ping-pong (named "
-                           "barriers), or it and the mbarrier rendezvous "
-                           "in alternating rounds (both)")
+  parser.add_argument("--ping-pong", choices=("auto", "both"),
+                      default="auto",
+                      help="forward: the default ping-pong, or named "
+                           "barriers and the mbarrier rendezvous in "
+                           "alternating rounds (both)")
   parser.add_argument("--rounds", type=int, default=5,
                       help="with --ping-pong both: alternating rounds")
   args = parser.parse_args()

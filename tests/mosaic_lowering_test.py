@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jflash._src.backends.mosaic import backend as mosaic_backend
+from jflash._src.backends.mosaic import forward as mosaic_forward
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.spec import CallSpec
 from jflash._src.spec import MaskSpec
@@ -105,10 +106,20 @@ class MosaicLoweringTest(parameterized.TestCase):
     text, (out, lse2) = _lower(
         lambda ops: mosaic_backend.forward(spec, config, ops), operands)
     self.assertIn("mosaic_gpu", text)
+    self._check_ping_pong(text, spec)
     self.assertEqual((out.shape, out.dtype),
                      ((batch, q_len, heads, head_dim), jnp.bfloat16))
     self.assertEqual((lse2.shape, lse2.dtype),
                      ((batch, heads, q_len), jnp.float32))
+
+  def _check_ping_pong(self, forward_text, spec):
+    # The consumers' turns go through the named barriers (PTX `bar` over
+    # both consumers' 256 threads, in the serialized Mosaic module) exactly
+    # where forward.named_ping_pong says so.
+    self.assertEqual("bar.sync $0, 256;" in forward_text,
+                     mosaic_forward.named_ping_pong(spec.mask, spec.head_dim))
+    self.assertEqual("bar.arrive $0, 256;" in forward_text,
+                     mosaic_forward.named_ping_pong(spec.mask, spec.head_dim))
 
   def _check_lowering(self, name, shape, dtype, mask_options, soft_cap,
                       block_sizes=None):
@@ -146,6 +157,7 @@ class MosaicLoweringTest(parameterized.TestCase):
     args = (q, kv, kv, lengths, lengths, sinks, segment_ids)
     text, (out, lse2) = _lower(forward, *args)
     self.assertIn("mosaic_gpu", text)
+    self._check_ping_pong(text, spec)
     self.assertEqual((out.shape, out.dtype), (q.shape, jnp.dtype(dtype)))
     self.assertEqual((lse2.shape, lse2.dtype),
                      ((batch, heads, q_len), jnp.float32))

@@ -112,11 +112,22 @@ FP8_SOFTMAX_BARRIER = True
 # The ping-pong's named barriers (PTX `bar`), one per consumer: ids 0 to 3
 # are Mosaic GPU's (0: the block, 1 + w: warpgroup w's own barrier).
 PING_PONG_BARRIER_IDS = (4, 5)
-# The ping-pong on named barriers (True) or on a two-arrival mbarrier that
-# both consumers arrive on and wait for (False; the earlier scheme, kept
-# for A/B runs: benchmarks/sweep_mosaic.py --ping-pong). RECORD.md
-# 2026-11-25, "named-barrier ping-pong".
-NAMED_BARRIER_PING_PONG = True
+# The ping-pong's barriers: "named" (`PingPong`), "mbarrier" (a two-arrival
+# mbarrier that both consumers arrive on and wait for: a rendezvous, the
+# earlier scheme) or "auto" (`named_ping_pong`). A module switch for A/B
+# runs (benchmarks/sweep_mosaic.py --ping-pong both).
+PING_PONG = "auto"
+
+
+def named_ping_pong(mask: MaskSpec, head_dim: int) -> bool:
+  """Whether the forward's ping-pong uses named barriers (PING_PONG "auto":
+  all but causal calls at head dim 256). H100, named / mbarrier forward
+  (RECORD.md 2026-11-25, "named-barrier ping-pong"): D=64 +10-13%, D=128
+  +0.5-5%, D=256 +2-5% without a causal mask but -5% causal at 1 x 8192
+  (twice; +1% at 2 x 4096)."""
+  if PING_PONG != "auto":
+    return PING_PONG == "named"
+  return not (mask.is_causal and head_dim > 128)
 
 
 def smem_transforms(dtype, columns: int | None = None) -> tuple:
@@ -317,7 +328,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
   q_ids, kv_ids = pipeline.segment_sources(segments, scratch.q_ids,
                                            scratch.kv_ids)
 
-  turns = PingPong(wg, scratch.schedule, NAMED_BARRIER_PING_PONG)
+  turns = PingPong(wg, scratch.schedule, named_ping_pong(mask, head_dim))
 
   def over_items(run_block):
     """Persistent kernels: run_block(block, base) on each block of this
