@@ -9,9 +9,10 @@ cuDNN's forward measured in the same run, plus the compile time. With
 --backward: forward+backward through `jflash.flash_attention(...,
 block_sizes=MosaicBlockSizes(...))` with the default forward tiles and each
 candidate's backward tiles (BACKWARD_TILES), against cuDNN's forward+
-backward. With --ping-pong both: each forward tiling with the consumers'
-ping-pong on named barriers and on an mbarrier rendezvous
-(forward.PING_PONG), timed in alternating rounds, cuDNN in
+backward. With --ab ping_pong|q_prefetch: each forward tiling under the
+variants of AB_VARIANTS (forward.py's module switches: the consumers'
+ping-pong on an mbarrier rendezvous or named barriers; the persistent
+kernel's Q prefetch off or on), timed in alternating rounds, cuDNN in
 each round too; medians over the rounds.
 """
 
@@ -78,37 +79,51 @@ def sweep_backward(shapes, tilings=None):
           print(f"  {name}: {bench.short_error(e)}")
 
 
-def ping_pong_ab(shape, causal, sizes, persistent, rounds):
-  """The forward with each ping-pong (and cuDNN) in alternating rounds:
-  median TFLOP/s per variant, named / mbarrier, and each / cuDNN."""
+# --ab: the module switches of forward.py each variant sets (the first
+# variant is the reference of the ratios).
+AB_VARIANTS = {
+    "ping_pong": {"mbarrier": {"PING_PONG": "mbarrier"},
+                  "named": {"PING_PONG": "named"}},
+    "q_prefetch": {"no_prefetch": {"Q_PREFETCH": False},
+                   "prefetch": {"Q_PREFETCH": True}},
+}
+
+
+def variants_ab(shape, causal, sizes, persistent, rounds, variants):
+  """The forward under each variant (forward.py module switches, see
+  AB_VARIANTS) and cuDNN in alternating rounds: median TFLOP/s per
+  variant, each / the first variant, and each / cuDNN."""
   q, k, v, _ = bench.random_inputs(jax.random.key(0), shape, jnp.bfloat16)
   flop = bench.flops(shape, causal, "fwd")
   call = api.describe(q, k, v, is_causal=causal)
   steps = {"cudnn": bench.make_step(bench.attention_fn("cudnn", causal),
                                     "fwd")}
-  for named in (False, True):
-    # Traced (at the first call, in the first round) with the flag set.
-    forward.PING_PONG = "named" if named else "mbarrier"
+  for name, switches in variants.items():
+    saved = {key: getattr(forward, key) for key in switches}
+    for key, value in switches.items():
+      setattr(forward, key, value)
     fn = jax.jit(functools.partial(forward.forward_call, spec=call.spec,
                                    block_sizes=sizes, persistent=persistent))
-    steps["named" if named else "mbarrier"] = (
-        lambda q, k, v, _, fn=fn: fn(Operands(q, k, v)))
-    bench.time_step(steps["named" if named else "mbarrier"],
-                    (q, k, v, None), 1, 1, 1)
-  forward.PING_PONG = "auto"
+    steps[name] = lambda q, k, v, _, fn=fn: fn(Operands(q, k, v))
+    # Traced and compiled now, with the switches set.
+    bench.time_step(steps[name], (q, k, v, None), 1, 1, 1)
+    for key, value in saved.items():
+      setattr(forward, key, value)
   times = {name: [] for name in steps}
   for _ in range(rounds):
     for name, step in steps.items():
       times[name].append(bench.time_step(step, (q, k, v, None), 2, 5, 10)[1])
   tflops = {name: flop / statistics.median(t) / 1e12
             for name, t in times.items()}
+  first = next(iter(variants))
+  ratios = [f"{name}/{first} {tflops[name] / tflops[first]:.3f}"
+            for name in variants if name != first]
+  ratios += [f"{name}/cuDNN {tflops[name] / tflops['cudnn']:.3f}"
+             for name in variants]
   print(f"{shape} causal={causal} {sizes.block_q}x{sizes.block_kv} "
         f"s{sizes.num_stages}: " + " ".join(
             f"{name} {value:.0f}" for name, value in tflops.items())
-        + f" TFLOP/s; named/mbarrier {tflops['named'] / tflops['mbarrier']:.3f}"
-        f", named/cuDNN {tflops['named'] / tflops['cudnn']:.3f}, "
-        f"mbarrier/cuDNN {tflops['mbarrier'] / tflops['cudnn']:.3f}",
-        flush=True)
+        + " TFLOP/s; " + ", ".join(ratios), flush=True)
 
 
 def main():
@@ -129,13 +144,11 @@ def main():
                       default="auto",
                       help="forward: the persistent kernel where allowed "
                            "(auto), or forced on/off")
-  parser.add_argument("--ping-pong", choices=("auto", "both"),
-                      default="auto",
-                      help="forward: the default ping-pong, or named "
-                           "barriers and the mbarrier rendezvous in "
-                           "alternating rounds (both)")
+  parser.add_argument("--ab", choices=sorted(AB_VARIANTS), default=None,
+                      help="forward: the variants of AB_VARIANTS[AB] in "
+                           "alternating rounds, cuDNN beside")
   parser.add_argument("--rounds", type=int, default=5,
-                      help="with --ping-pong both: alternating rounds")
+                      help="with --ab: alternating rounds")
   args = parser.parse_args()
   persistent = {"auto": None, "on": True, "off": False}[args.persistent]
   if args.backward:
@@ -145,14 +158,14 @@ def main():
     return
   tiles = TILES if args.tiles is None else [
       tuple(int(x) for x in t.split(",")) for t in args.tiles]
-  if args.ping_pong == "both":
-    print(jax.devices()[0].device_kind, "ping-pong A/B, persistent:",
+  if args.ab:
+    print(jax.devices()[0].device_kind, f"A/B {args.ab}, persistent:",
           args.persistent)
     for shape in args.shapes:
       for causal in (False, True):
         for tile in tiles:
-          ping_pong_ab(shape, causal, MosaicBlockSizes(*tile), persistent,
-                       args.rounds)
+          variants_ab(shape, causal, MosaicBlockSizes(*tile), persistent,
+                      args.rounds, AB_VARIANTS[args.ab])
     return
   print(jax.devices()[0].device_kind, "persistent:", args.persistent)
   for shape in args.shapes:

@@ -81,6 +81,18 @@ class MosaicBlockSizes:
     kv = 2 * self.num_stages * self.block_kv * head_dim * itemsize
     return q + kv + 2 * self.block_q * 4
 
+  def output_tiles_bytes(self, head_dim: int, itemsize: int) -> int:
+    """An output tile per compute warpgroup (the persistent forward's Q
+    prefetch; without it the output goes through the Q tiles)."""
+    return 2 * self.block_q * head_dim * itemsize
+
+  def fits_output_tiles(self, head_dim: int, itemsize: int) -> bool:
+    """Whether the 16-bit forward's shared memory has room for
+    `output_tiles_bytes` too (default tiles: head dims <= 128)."""
+    return (self.smem_bytes(head_dim, itemsize)
+            + self.output_tiles_bytes(head_dim, itemsize)
+            <= SMEM_BUDGET_BYTES)
+
   def fp8_smem_bytes(self, head_dim: int) -> int:
     """Shared memory of the FP8 forward kernel: Q (8-bit) and a bfloat16
     output tile per compute warpgroup, the K and V rings (8-bit), the lse

@@ -115,8 +115,14 @@ PING_PONG_BARRIER_IDS = (4, 5)
 # The ping-pong's barriers: "named" (`PingPong`), "mbarrier" (a two-arrival
 # mbarrier that both consumers arrive on and wait for: a rendezvous, the
 # earlier scheme) or "auto" (`named_ping_pong`). A module switch for A/B
-# runs (benchmarks/sweep_mosaic.py --ping-pong both).
+# runs (benchmarks/sweep_mosaic.py --ab ping_pong).
 PING_PONG = "auto"
+# Persistent 16-bit kernels: output tiles of their own where shared memory
+# has room (`MosaicBlockSizes.fits_output_tiles`: head dims <= 128 at the
+# default tiles), so that a consumer loads its next block's Q during this
+# block's epilogue instead of after it. A module switch for A/B runs
+# (benchmarks/sweep_mosaic.py --ab q_prefetch).
+Q_PREFETCH = True
 
 
 def named_ping_pong(mask: MaskSpec, head_dim: int) -> bool:
@@ -249,12 +255,17 @@ class ForwardScratch:
 
 
 def forward_scratch(dtype, head_dim: int, block_sizes: MosaicBlockSizes, *,
-                    has_segments: bool, out_dtype=None) -> ForwardScratch:
+                    has_segments: bool, out_dtype=None,
+                    output_tiles: bool = False) -> ForwardScratch:
   """The `ForwardScratch` types of a launch; `out_dtype` for FP8 inputs
-  (their output tiles, and V transposed: [stages, H, block_kv])."""
+  (their output tiles, and V transposed: [stages, H, block_kv]);
+  `output_tiles`: 16-bit inputs with output tiles of their own (the
+  persistent kernel's Q prefetch)."""
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
   stages = block_sizes.num_stages
   fp8 = out_dtype is not None
+  if output_tiles and not fp8:
+    out_dtype = dtype
   transforms = smem_transforms(dtype, head_dim if fp8 else None)
   # The segment ids come with Q and K: one more copy on their barriers.
   with_ids = 2 if has_segments else 1
@@ -283,7 +294,7 @@ def forward_scratch(dtype, head_dim: int, block_sizes: MosaicBlockSizes, *,
       schedule=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
       out=(plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), out_dtype,
                       transforms=smem_transforms(out_dtype))
-           if fp8 else None),
+           if out_dtype is not None else None),
   )
 
 
@@ -330,35 +341,67 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
 
   turns = PingPong(wg, scratch.schedule, named_ping_pong(mask, head_dim))
 
-  def over_items(run_block):
+  def over_items(run_block, *, with_next: bool = False):
     """Persistent kernels: run_block(block, base) on each block of this
     program's items in turn, `base` the ring step of the block's first key
     tile (the ring runs on across blocks). One loop over the blocks, so
-    that the block's code is emitted once (compile time)."""
+    that the block's code is emitted once (compile time).
 
-    def one_block(j, base):
+    With `with_next` (the consumers' Q prefetch): run_block(block, base,
+    q_issued, next_block, next_valid), `q_issued` whether the previous
+    block issued this one's Q load (a traced bool, False for the first
+    block), next_block the program's next block and next_valid whether
+    there is one to run; the loop carries next_valid as the next block's
+    q_issued (a block that does not run issues nothing)."""
+    num_blocks = persistent.num_blocks()
+
+    def one_block(j, carry):
+      base, q_issued = carry
       position, valid = persistent.position(j)
       block = block_at(position)
-      run = functools.partial(run_block, block, base)
       steps = block.steps_hi - block.steps_lo
+      if with_next:
+        next_position, next_valid = persistent.position(j + 1)
+        next_valid = jnp.logical_and(j + 1 < num_blocks, next_valid)
+        run = functools.partial(run_block, block, base, q_issued,
+                                block_at(next_position), next_valid)
+        q_issued = jnp.where(valid, next_valid, q_issued)
+      else:
+        run = functools.partial(run_block, block, base)
       if valid is True:
         run()
-        return base + steps
+        return base + steps, q_issued
       pl.when(valid)(run)
-      return base + jnp.where(valid, steps, 0)
+      return base + jnp.where(valid, steps, 0), q_issued
 
-    lax.fori_loop(0, persistent.num_blocks(), one_block, jnp.int32(0))
+    lax.fori_loop(0, num_blocks, one_block, (jnp.int32(0), jnp.bool_(False)))
 
-  def consume(block: pipeline.QueryBlock, base, first=True, last=True):
+  q_ready = scratch.q_ready.at[wg]
+  q_tile = scratch.qo.at[wg]
+
+  def load_q(block: pipeline.QueryBlock):
+    """Issues the copy of this consumer's Q rows of `block` (and their
+    ids), which completes q_ready."""
+    q_start = pipeline.row_group_start(block.start, wg, block_q)
+    plgpu.copy_gmem_to_smem(
+        refs.q.at[block.batch, pl.ds(q_start, block_q), block.head], q_tile,
+        q_ready)
+    if q_ids is not None:
+      pipeline.load_ids(q_ids, block.batch, q_start, block_q, wg, q_ready)
+
+  def consume(block: pipeline.QueryBlock, base, first=True, last=True,
+              q_issued=False, next_block=None, next_valid=None):
     """One block's rows of this consumer; the block's first key tile is
     step `base` of the ring (0 but in persistent kernels), `first` and
     `last`: whether it is the consumer's first and last block (bools, or
-    traced in persistent kernels)."""
+    traced in persistent kernels). `q_issued`: whether the block's Q load
+    was issued already (traced, Q prefetch); with `next_block`, the
+    consumer issues that block's Q load where `next_valid` once its last
+    Q K^T is done (the output then goes through `scratch.out`)."""
     batch, head = block.batch, block.head
     slot_of = functools.partial(pipeline.slot_of, lo=block.steps_lo - base,
                                 stages=stages)
     q_start = pipeline.row_group_start(block.start, wg, block_q)
-    q_tile = scratch.qo.at[wg]
     # The logit scale (natural units) and the factor of the output: with
     # FP8, per (batch, kv head), the descales folded in.
     logit_scale, out_scale, p_shift = scale, None, 0.0
@@ -367,11 +410,10 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
       logit_scale = refs.fp8_scales[batch, kv_head, 0]
       out_scale = refs.fp8_scales[batch, kv_head, 1]
       p_shift = FP8_P_SHIFT
-    q_ready = scratch.q_ready.at[wg]
-    plgpu.copy_gmem_to_smem(refs.q.at[batch, pl.ds(q_start, block_q), head],
-                            q_tile, q_ready)
-    if q_ids is not None:
-      pipeline.load_ids(q_ids, batch, q_start, block_q, wg, q_ready)
+    if q_issued is False:
+      load_q(block)
+    else:
+      pl.when(jnp.logical_not(q_issued))(lambda: load_q(block))
     plgpu.barrier_wait(q_ready)
     row_segments = (None if q_ids is None
                     else pipeline.ids_vector(q_ids[1].at[wg], 0))
@@ -490,6 +532,10 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
                             carry)
     turns.finish(when=last)
     acc, row_max, row_sum = carry
+    if next_block is not None:
+      # The last Q K^T has read the Q tile: the next block's Q loads under
+      # this block's epilogue (and under the other consumer's last P V).
+      pl.when(next_valid)(lambda: load_q(next_block))
 
     # A row has a visible key iff its sum is positive (masked probabilities
     # are exact zeros); rows past q_len have none.
@@ -502,7 +548,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
     out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
     lse = jnp.where(has_keys,
                     _minus(row_max + jnp.log2(safe_sum), p_shift), jnp.inf)
-    out_tile = scratch.out.at[wg] if fp8 else q_tile
+    out_tile = q_tile if scratch.out is None else scratch.out.at[wg]
     out_tile[...] = out.astype(out_ref.dtype)
     scratch.lse.at[wg][...] = lse
     plgpu.commit_smem()
@@ -517,15 +563,17 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
     if persistent is None:
       consume(block_at(), 0)
     else:
-      def run_block(block, base):
-        # The previous block's output stores must have read the Q/O and lse
-        # tiles before they are reused.
+      prefetch = Q_PREFETCH and scratch.out is not None and q_ids is None
+
+      def run_block(block, base, *next_args):
+        # The previous block's output stores must have read the output
+        # (without prefetch: Q/O) and lse tiles before they are reused.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        consume(block, base, first=False, last=False)
+        consume(block, base, False, False, *next_args)
 
       # The ping-pong's offset (see consume) once for all blocks.
       turns.start()
-      over_items(run_block)
+      over_items(run_block, with_next=prefetch)
       turns.finish()
     plgpu.wait_smem_to_gmem(0)
 
@@ -670,9 +718,6 @@ def forward_call(operands: Operands, *, spec: CallSpec,
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
   if q_lengths is None:
     q_lengths = kv_lengths = jnp.zeros((batch,), jnp.int32)  # Unread.
-  scratch = forward_scratch(dtype, head_dim, block_sizes,
-                            has_segments=segment_ids is not None,
-                            out_dtype=out_dtype if fp8 else None)
   fp8_scales = None
   if fp8:
     # Validation made each descale float32 [B, K].
@@ -687,6 +732,14 @@ def forward_call(operands: Operands, *, spec: CallSpec,
   persistent = (pipeline.PersistentGrid.over(num_tiles, num_heads, batch,
                                              pairs=spec.mask.is_causal)
                 if persistent else None)
+  # Persistent kernels prefetch each block's Q during the previous block's
+  # epilogue where the output has tiles of its own (FP8 has them anyway).
+  scratch = forward_scratch(
+      dtype, head_dim, block_sizes, has_segments=segment_ids is not None,
+      out_dtype=out_dtype if fp8 else None,
+      output_tiles=(persistent is not None and Q_PREFETCH
+                    and block_sizes.fits_output_tiles(head_dim,
+                                                      dtype.itemsize)))
   kernel = functools.partial(
       forward_kernel, mask=spec.mask, scale=spec.scale,
       soft_cap=spec.logits_soft_cap, block_sizes=block_sizes,
