@@ -15,9 +15,11 @@ computes 2 * block_q query rows of one (batch, head) with three warpgroups.
   warpgroup computes exponentials). Two hardware named barriers, one per
   consumer, carry the turns one way (`PingPong`): a consumer signals
   without waiting once it has issued its Q K^T, and waits only before its
-  P V, until the other has issued its own Q K^T.
-- The output goes back through the Q slot of shared memory and a TMA store;
-  the lse (base 2, float32, `numerics.py`) through its own small slot.
+  P V, until the other has issued its own Q K^T (causal calls at head dim
+  256 keep a two-arrival mbarrier rendezvous: `named_ping_pong`).
+- The output goes back through the Q slot of shared memory (or output
+  tiles of its own, see below) and a TMA store; the lse (base 2, float32,
+  `numerics.py`) through its own small slot.
 
 Persistent launch (`is_persistent`: calls without window, lengths or
 segments): one program per SM instead of one block per (query tile, head,
@@ -26,7 +28,11 @@ round-robin, query tiles fastest so that programs in flight share a head's
 K and V in L2; causal tiles in pairs t, n-1-t of equal total work) while
 the producer's ring runs on from one block into the next, so a block's Q
 load and output stores overlap the next block's K/V loads instead of
-costing a launch (H100: +12-60% at 2048 keys, a few % at 8k-32k).
+costing a launch (H100: +12-60% at 2048 keys, a few % at 8k-32k). Where
+shared memory has room for output tiles apart from the Q tiles (head dims
+<= 128 at the default tiles, and FP8), a consumer issues its next block's
+Q load as soon as its last Q K^T is done, under this block's epilogue
+(`Q_PREFETCH`: +4-9% at 1024-2048 tokens, +1.5-2% at 8192).
 
 Masks come from `masks.py`, as for every backend: the key tiles a query
 tile visits (fully masked tiles are never visited) and the element-wise
