@@ -241,8 +241,9 @@ class ForwardScratch:
       its V.
     schedule: the ping-pong's mbarrier (two arrivals) where it does not
       use named barriers (`PingPong`).
-    out: FP8 only: [2, block_q, H] in the output dtype, each consumer's
-      output tile (with 16-bit inputs the output goes through `qo`).
+    out: [2, block_q, H] in the output dtype, each consumer's output tile:
+      FP8, and persistent 16-bit calls with room for them (the Q prefetch,
+      `Q_PREFETCH`); else None and the output goes through `qo`.
   """
 
   qo: Any
