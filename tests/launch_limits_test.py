@@ -222,6 +222,19 @@ class TrainingLaunchTest(parameterized.TestCase):
       self.assertLessEqual(sizes.backward_smem_bytes(head_dim, 2),
                            mosaic_config.SMEM_BUDGET_BYTES)
 
+  def test_mosaic_output_tiles_only_where_they_fit(self):
+    # The persistent forward adds output tiles (its Q prefetch) where
+    # `fits_output_tiles` says so: at the default tiles for head dims 64
+    # and 128 (run on an H100: RECORD 2026-11-25, "Q prefetch"), not 256;
+    # tiles that fit Hopper only without them (3 stages of 128 keys at
+    # head dim 128: 224.5 KiB) run without them.
+    for head_dim, expected in ((64, True), (128, True), (256, False)):
+      sizes = mosaic_config.default_block_sizes(head_dim, 2)
+      self.assertEqual(sizes.fits_output_tiles(head_dim, 2), expected,
+                       msg=f"{head_dim=} {sizes}")
+    edge = mosaic_config.MosaicBlockSizes(64, 128, 3)
+    edge.check_fits(128, 2)  # A valid tiling...
+    self.assertFalse(edge.fits_output_tiles(128, 2))  # ... without them.
 
 if __name__ == "__main__":
   absltest.main()

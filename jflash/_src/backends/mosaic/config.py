@@ -88,10 +88,18 @@ class MosaicBlockSizes:
 
   def fits_output_tiles(self, head_dim: int, itemsize: int) -> bool:
     """Whether the 16-bit forward's shared memory has room for
-    `output_tiles_bytes` too (default tiles: head dims <= 128)."""
-    return (self.smem_bytes(head_dim, itemsize)
-            + self.output_tiles_bytes(head_dim, itemsize)
-            <= SMEM_BUDGET_BYTES)
+    `output_tiles_bytes` too (default tiles: head dims <= 128). Counted as
+    the FP8 forward's (`fp8_smem_bytes`): each allocation rounded up to
+    1 KiB, FP8_SMEM_RESERVED_BYTES left over; tiles that fit only without
+    the output tiles run without them (no Q prefetch), never over the
+    limit."""
+    aligned = lambda n: -(-n // 1024) * 1024
+    tiles = lambda rows: aligned(rows * head_dim * itemsize)
+    needed = (tiles(2 * self.block_q)  # Q (and O without output tiles).
+              + 2 * tiles(self.num_stages * self.block_kv)  # K, V rings.
+              + aligned(2 * self.block_q * 4)  # lse staging.
+              + aligned(self.output_tiles_bytes(head_dim, itemsize)))
+    return needed <= SMEM_BYTES - FP8_SMEM_RESERVED_BYTES
 
   def fp8_smem_bytes(self, head_dim: int) -> int:
     """Shared memory of the FP8 forward kernel: Q (8-bit) and a bfloat16
