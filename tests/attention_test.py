@@ -5,14 +5,25 @@ interpreter on CPU and compiled on a GPU (JFLASH_TEST_ON_GPU=1), and the
 XLA path.
 """
 
+import functools
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jflash
+from jflash._src import api
+from jflash._src import registry
+from jflash._src.backends.mosaic import config as mosaic_config
+from jflash._src.backends.mosaic import forward as mosaic_forward
+from jflash._src.spec import Operands
 from tests import test_base
 from tests import test_util
+from tests import tolerances
 
 
 # Jitted: run eagerly, the XLA path compiles each of its operations apart
@@ -160,6 +171,46 @@ class AttentionTest(test_base.BackendTestCase):
 
 
 test_base.for_each_backend(globals(), AttentionTest)
+
+
+class MosaicPersistentAtSizeTest(parameterized.TestCase):
+  """The persistent Mosaic forward with several blocks per program: more
+  work items than an H100/H200 has SMs (the suite's other shapes give each
+  program one block), at the default tiles, with the Q prefetch
+  (`forward.Q_PREFETCH`) off and on: the same bits (it moves a load, not
+  the arithmetic), and the XLA path's result. Hopper only."""
+
+  def setUp(self):
+    super().setUp()
+    reason = registry.unavailable_reason(registry.get("mosaic"), False)
+    if reason is not None or not test_util.ON_GPU:
+      self.skipTest(f"the Mosaic kernels run on Hopper GPUs only (the GPU "
+                    f"suite on an H100/H200 runs this test): {reason}")
+
+  @parameterized.parameters((128, False), (128, True), (64, False))
+  def test_q_prefetch_changes_no_bit(self, head_dim, is_causal):
+    # 2 x 8 heads x 32 query tiles of 128 rows: 512 items (256 causal
+    # pairs), 2-4 blocks per program.
+    q, k, v, _ = test_util.random_inputs(
+        head_dim, batch=2, q_len=4096, kv_len=4096, num_heads=8,
+        head_dim=head_dim, dtype="bfloat16")
+    spec = api.describe(q, k, v, is_causal=is_causal).spec
+    sizes = mosaic_config.default_block_sizes(head_dim, 2)
+    self.assertTrue(mosaic_forward.is_persistent(spec.mask))
+    self.assertTrue(sizes.fits_output_tiles(head_dim, 2))
+    outputs = []
+    for prefetch in (False, True):
+      with mock.patch.object(mosaic_forward, "Q_PREFETCH", prefetch):
+        forward = jax.jit(functools.partial(
+            mosaic_forward.forward_call, spec=spec, block_sizes=sizes))
+        outputs.append(jax.block_until_ready(forward(Operands(q, k, v))))
+    chex.assert_trees_all_equal(outputs[0], outputs[1])
+    expected = jax.jit(functools.partial(
+        jflash.flash_attention, is_causal=is_causal,
+        implementation="xla"))(q, k, v)
+    tolerance = tolerances.direct(jnp.bfloat16)
+    chex.assert_trees_all_close(outputs[1][0], expected, atol=tolerance,
+                                rtol=tolerance)
 
 if __name__ == "__main__":
   absltest.main()

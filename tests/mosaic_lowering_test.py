@@ -11,6 +11,8 @@ numerically, with a model of their tile walks built from the helpers they
 call.
 """
 
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
@@ -111,6 +113,31 @@ class MosaicLoweringTest(parameterized.TestCase):
                      ((batch, q_len, heads, head_dim), jnp.bfloat16))
     self.assertEqual((lse2.shape, lse2.dtype),
                      ((batch, heads, q_len), jnp.float32))
+
+  @parameterized.parameters((128, False), (64, True))
+  def test_forward_with_q_prefetch_lowers_for_cuda(self, head_dim,
+                                                   is_causal):
+    # forward.Q_PREFETCH (off by default until its GPU check at size): the
+    # persistent forward with output tiles and the next block's Q load.
+    spec = CallSpec(batch=2, q_len=256, kv_len=256, num_heads=4,
+                    num_kv_heads=2, head_dim=head_dim, dtype="bfloat16",
+                    scale=head_dim**-0.5,
+                    mask=MaskSpec(is_causal=is_causal, has_lengths=False))
+    config = mosaic_backend.BACKEND.configure(spec)
+    self.assertTrue(mosaic_forward.is_persistent(spec.mask))
+    q = jax.ShapeDtypeStruct((2, 256, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, head_dim), jnp.bfloat16)
+    texts = {}
+    for prefetch in (False, True):
+      with mock.patch.object(mosaic_forward, "Q_PREFETCH", prefetch):
+        texts[prefetch], (out, _) = _lower(
+            lambda q, k, v: mosaic_backend.forward(spec, config,
+                                                   Operands(q, k, v)),
+            q, kv, kv)
+      self.assertIn("mosaic_gpu", texts[prefetch])
+      self.assertEqual(out.shape, q.shape)
+    # Another kernel (output tiles, the load in the epilogue).
+    self.assertNotEqual(texts[False], texts[True])
 
   def _check_ping_pong(self, forward_text, spec):
     # The consumers' turns go through the named barriers (PTX `bar` over

@@ -30,9 +30,10 @@ the producer's ring runs on from one block into the next, so a block's Q
 load and output stores overlap the next block's K/V loads instead of
 costing a launch (H100: +12-60% at 2048 keys, a few % at 8k-32k). Where
 shared memory has room for output tiles apart from the Q tiles (head dims
-<= 128 at the default tiles, and FP8), a consumer issues its next block's
-Q load as soon as its last Q K^T is done, under this block's epilogue
-(`Q_PREFETCH`: +4-9% at 1024-2048 tokens, +1.5-2% at 8192).
+<= 128 at the default tiles, and FP8), a consumer may issue its next
+block's Q load as soon as its last Q K^T is done, under this block's
+epilogue (`Q_PREFETCH`, off for now: +4-9% at 1024-2048 tokens, +1.5-2% at
+8192).
 
 Masks come from `masks.py`, as for every backend: the key tiles a query
 tile visits (fully masked tiles are never visited) and the element-wise
@@ -126,9 +127,13 @@ PING_PONG = "auto"
 # Persistent 16-bit kernels: output tiles of their own where shared memory
 # has room (`MosaicBlockSizes.fits_output_tiles`: head dims <= 128 at the
 # default tiles), so that a consumer loads its next block's Q during this
-# block's epilogue instead of after it. A module switch for A/B runs
-# (benchmarks/sweep_mosaic.py --ab q_prefetch).
-Q_PREFETCH = True
+# block's epilogue instead of after it (H100: +0.6-8.8% forward, RECORD.md
+# 2026-11-25, "Q prefetch"; benchmarks/sweep_mosaic.py --ab q_prefetch).
+# Off by default until its check at size has run on a GPU
+# (tests/attention_test.py MosaicPersistentAtSizeTest: the suite's other
+# shapes give each persistent program one block, where nothing is
+# prefetched).
+Q_PREFETCH = False
 
 
 def named_ping_pong(mask: MaskSpec, head_dim: int) -> bool:
