@@ -17,7 +17,6 @@ import numpy as np
 
 import jflash
 from jflash._src import api
-from jflash._src import registry
 from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.mosaic import forward as mosaic_forward
 from jflash._src.spec import Operands
@@ -182,10 +181,7 @@ class MosaicPersistentAtSizeTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    reason = registry.unavailable_reason(registry.get("mosaic"), False)
-    if reason is not None or not test_util.ON_GPU:
-      self.skipTest(f"the Mosaic kernels run on Hopper GPUs only (the GPU "
-                    f"suite on an H100/H200 runs this test): {reason}")
+    test_util.skip_unless_mosaic_gpu(self)
 
   @parameterized.parameters((128, False), (128, True), (64, False))
   def test_q_prefetch_changes_no_bit(self, head_dim, is_causal):

@@ -146,10 +146,7 @@ class HopperTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    reason = registry.unavailable_reason(registry.get("mosaic"), False)
-    if reason is not None or not test_util.ON_GPU:
-      self.skipTest(f"the FP8 kernel runs on Hopper GPUs only (the GPU suite "
-                    f"on an H100/H200 runs this test): {reason}")
+    test_util.skip_unless_mosaic_gpu(self, "the FP8 kernel runs")
 
   @parameterized.named_parameters(
       ("d128_causal_gqa_lengths_sinks", 128,

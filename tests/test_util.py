@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from jflash._src import registry
 from tests import tolerances
 
 # The kernel tests run compiled on a GPU when JFLASH_TEST_ON_GPU=1 and through
@@ -60,6 +61,15 @@ def decode_kernel_spy():
                          wraps=decode_backend.kernel_attention
                          ) as kernel_calls:
     yield kernel_calls
+
+
+def skip_unless_mosaic_gpu(test, what: str = "the Mosaic kernels run"):
+  """Skips `test` unless the Mosaic GPU kernels can run here compiled (a
+  Hopper GPU, JFLASH_TEST_ON_GPU=1), with the registry's reason."""
+  reason = registry.unavailable_reason(registry.get("mosaic"), False)
+  if reason is not None or not ON_GPU:
+    test.skipTest(f"{what} on Hopper GPUs only (the GPU suite on an "
+                  f"H100/H200 runs this test): {reason}")
 
 
 def run_file_on_cpu_devices(test, test_file: str, num_devices: int,
