@@ -81,37 +81,36 @@ class MosaicBlockSizes:
     kv = 2 * self.num_stages * self.block_kv * head_dim * itemsize
     return q + kv + 2 * self.block_q * 4
 
-  def output_tiles_bytes(self, head_dim: int, itemsize: int) -> int:
-    """An output tile per compute warpgroup (the persistent forward's Q
-    prefetch; without it the output goes through the Q tiles)."""
-    return 2 * self.block_q * head_dim * itemsize
+  def aligned_forward_bytes(self, head_dim: int, itemsize: int,
+                            out_itemsize: int | None = None) -> int:
+    """Shared memory of the forward kernel as Mosaic allocates it, each
+    allocation rounded up to the 1 KiB alignment of swizzled tiles: Q (and
+    O without output tiles) of both compute warpgroups, the K and V rings,
+    the lse staging, and with `out_itemsize` an output tile per compute
+    warpgroup (FP8's, and the 16-bit Q prefetch's). Measured: the FP8
+    forward at D=256 with 128-key tiles asked 232536 bytes, 2136 more than
+    these allocations (FP8_SMEM_RESERVED_BYTES keeps room for that)."""
+    aligned = lambda n: -(-n // 1024) * 1024
+    tiles = lambda rows, size: aligned(rows * head_dim * size)
+    needed = (tiles(2 * self.block_q, itemsize)
+              + 2 * tiles(self.num_stages * self.block_kv, itemsize)
+              + aligned(2 * self.block_q * 4))
+    if out_itemsize is not None:
+      needed += tiles(2 * self.block_q, out_itemsize)
+    return needed
 
   def fits_output_tiles(self, head_dim: int, itemsize: int) -> bool:
-    """Whether the 16-bit forward's shared memory has room for
-    `output_tiles_bytes` too (default tiles: head dims <= 128). Counted as
-    the FP8 forward's (`fp8_smem_bytes`): each allocation rounded up to
-    1 KiB, FP8_SMEM_RESERVED_BYTES left over; tiles that fit only without
-    the output tiles run without them (no Q prefetch), never over the
-    limit."""
-    aligned = lambda n: -(-n // 1024) * 1024
-    tiles = lambda rows: aligned(rows * head_dim * itemsize)
-    needed = (tiles(2 * self.block_q)  # Q (and O without output tiles).
-              + 2 * tiles(self.num_stages * self.block_kv)  # K, V rings.
-              + aligned(2 * self.block_q * 4)  # lse staging.
-              + aligned(self.output_tiles_bytes(head_dim, itemsize)))
-    return needed <= SMEM_BYTES - FP8_SMEM_RESERVED_BYTES
+    """Whether the 16-bit forward's shared memory has room for output tiles
+    of its own (the persistent forward's Q prefetch; default tiles: head
+    dims <= 128), counted as the FP8 forward's: tiles that fit only without
+    them run without them, never over the limit."""
+    return (self.aligned_forward_bytes(head_dim, itemsize, itemsize)
+            <= SMEM_BYTES - FP8_SMEM_RESERVED_BYTES)
 
   def fp8_smem_bytes(self, head_dim: int) -> int:
-    """Shared memory of the FP8 forward kernel: Q (8-bit) and a bfloat16
-    output tile per compute warpgroup, the K and V rings (8-bit), the lse
-    staging; each allocation rounded up to the 1 KiB alignment of swizzled
-    tiles (measured: D=256 with 128-key tiles asked 232536 bytes, 2136 more
-    than these allocations)."""
-    aligned = lambda n: -(-n // 1024) * 1024
-    return (aligned(2 * self.block_q * head_dim)
-            + 2 * aligned(self.num_stages * self.block_kv * head_dim)
-            + aligned(2 * self.block_q * 4)
-            + aligned(2 * self.block_q * head_dim * 2))
+    """Shared memory of the FP8 forward kernel: 8-bit Q, K and V, bfloat16
+    output tiles (`aligned_forward_bytes`)."""
+    return self.aligned_forward_bytes(head_dim, 1, 2)
 
   def check_fits_fp8(self, head_dim: int) -> None:
     """Raises ValueError if the FP8 forward's shared memory exceeds

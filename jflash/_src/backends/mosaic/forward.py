@@ -267,17 +267,14 @@ class ForwardScratch:
 
 
 def forward_scratch(dtype, head_dim: int, block_sizes: MosaicBlockSizes, *,
-                    has_segments: bool, out_dtype=None,
-                    output_tiles: bool = False) -> ForwardScratch:
-  """The `ForwardScratch` types of a launch; `out_dtype` for FP8 inputs
-  (their output tiles, and V transposed: [stages, H, block_kv]);
-  `output_tiles`: 16-bit inputs with output tiles of their own (the
-  persistent kernel's Q prefetch)."""
+                    has_segments: bool, out_dtype=None) -> ForwardScratch:
+  """The `ForwardScratch` types of a launch. `out_dtype`: output tiles of
+  their own in that dtype (FP8 inputs always, 16-bit ones for the
+  persistent kernel's Q prefetch), else None. 8-bit inputs have V
+  transposed: [stages, H, block_kv]."""
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
   stages = block_sizes.num_stages
-  fp8 = out_dtype is not None
-  if output_tiles and not fp8:
-    out_dtype = dtype
+  fp8 = jnp.dtype(dtype).itemsize == 1
   transforms = smem_transforms(dtype, head_dim if fp8 else None)
   # The segment ids come with Q and K: one more copy on their barriers.
   with_ids = 2 if has_segments else 1
@@ -746,12 +743,12 @@ def forward_call(operands: Operands, *, spec: CallSpec,
                 if persistent else None)
   # Persistent kernels prefetch each block's Q during the previous block's
   # epilogue where the output has tiles of its own (FP8 has them anyway).
+  output_tiles = fp8 or (persistent is not None and Q_PREFETCH
+                         and block_sizes.fits_output_tiles(head_dim,
+                                                           dtype.itemsize))
   scratch = forward_scratch(
       dtype, head_dim, block_sizes, has_segments=segment_ids is not None,
-      out_dtype=out_dtype if fp8 else None,
-      output_tiles=(persistent is not None and Q_PREFETCH
-                    and block_sizes.fits_output_tiles(head_dim,
-                                                      dtype.itemsize)))
+      out_dtype=out_dtype if output_tiles else None)
   kernel = functools.partial(
       forward_kernel, mask=spec.mask, scale=spec.scale,
       soft_cap=spec.logits_soft_cap, block_sizes=block_sizes,
