@@ -117,8 +117,8 @@ class MosaicLoweringTest(parameterized.TestCase):
   @parameterized.parameters((128, False), (64, True))
   def test_forward_with_q_prefetch_lowers_for_cuda(self, head_dim,
                                                    is_causal):
-    # forward.Q_PREFETCH (off by default until its GPU check at size): the
-    # persistent forward with output tiles and the next block's Q load.
+    # forward.Q_PREFETCH (on by default) off and on: the persistent forward
+    # with output tiles and the next block's Q load, and without them.
     spec = CallSpec(batch=2, q_len=256, kv_len=256, num_heads=4,
                     num_kv_heads=2, head_dim=head_dim, dtype="bfloat16",
                     scale=head_dim**-0.5,

@@ -32,8 +32,7 @@ costing a launch (H100: +12-60% at 2048 keys, a few % at 8k-32k). Where
 shared memory has room for output tiles apart from the Q tiles (head dims
 <= 128 at the default tiles, and FP8), a consumer may issue its next
 block's Q load as soon as its last Q K^T is done, under this block's
-epilogue (`Q_PREFETCH`, off for now: +4-9% at 1024-2048 tokens, +1.5-2% at
-8192).
+epilogue (`Q_PREFETCH`: +4-9% at 1024-2048 tokens, +1.5-2% at 8192).
 
 Masks come from `masks.py`, as for every backend: the key tiles a query
 tile visits (fully masked tiles are never visited) and the element-wise
@@ -129,11 +128,11 @@ PING_PONG = "auto"
 # default tiles), so that a consumer loads its next block's Q during this
 # block's epilogue instead of after it (H100: +0.6-8.8% forward, RECORD.md
 # 2026-11-25, "Q prefetch"; benchmarks/sweep_mosaic.py --ab q_prefetch).
-# Off by default until its check at size has run on a GPU
-# (tests/attention_test.py MosaicPersistentAtSizeTest: the suite's other
-# shapes give each persistent program one block, where nothing is
-# prefetched).
-Q_PREFETCH = False
+# On since its check at size passed on an H100 (tests/attention_test.py
+# MosaicPersistentAtSizeTest, several blocks per program: the same bits as
+# without it; RECORD 2026-11-25, "The Q prefetch's check at size"). A module
+# switch for A/B runs.
+Q_PREFETCH = True
 
 
 def named_ping_pong(mask: MaskSpec, head_dim: int) -> bool:
