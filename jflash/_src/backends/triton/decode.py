@@ -86,6 +86,17 @@ MIN_ROWS = 16  # Triton's matrix instructions need tiles of >= 16 rows.
 FP8_COMPUTE_DTYPE = jnp.float16
 
 
+# The launch grid's axes, fastest first: CUDA starts programs in order of
+# the grid's first axis, then its second, then its third.
+GRID_AXES = ("split", "batch", "head")
+
+
+def _grid_index(axes, *index):
+  """(split, batch, kv head) from a grid index laid out as `axes`."""
+  named = dict(zip(axes, index))
+  return named["split"], named["batch"], named["head"]
+
+
 # Triton lowers 16-bit tiles of >= 64 rows to Hopper's wgmma, whose
 # pipeline holds `num_stages` K/V tiles; other tiles to mma.sync, whose
 # pipeline holds `num_stages - 1` and stages the float32 probabilities.
@@ -196,13 +207,14 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
                   slopes_ref, qk_descale_ref, v_descale_ref, o_ref, lse_ref, *,
                   mask: MaskSpec, scale: float, soft_cap: float | None,
                   block_k: int, head_dim: int, num_tokens: int, group: int,
-                  num_splits: int, row_offset: int = 0):
-  split, batch = pl.program_id(0), pl.program_id(1)
+                  num_splits: int, num_rows: int, row_offset: int = 0,
+                  grid_axes=GRID_AXES):
+  split, batch, head = _grid_index(
+      grid_axes, *(pl.program_id(axis) for axis in range(3)))
   fp8 = qk_descale_ref is not None
   if fp8:
     # The program's (batch, kv head) descales: q's x k's scales the logits
     # (a traced scalar in place of the static scale), v's the output.
-    head = pl.program_id(2)
     scale = scale * plgpu.load(qk_descale_ref.at[batch, head])
     v_descale = plgpu.load(v_descale_ref.at[batch, head])
   rows_padded = q_ref.shape[0]
@@ -228,13 +240,19 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
   lo = jnp.minimum(first + split * chunk, last)
   hi = jnp.minimum(lo + chunk, last)
 
-  q = tiles.load_tile(q_ref, 0, rows_padded, seq_len=None,
+  # The q, out and lse arrays hold num_rows rows (no padding in memory):
+  # the tile's rows past them read as 0 and are not stored.
+  valid_rows = None if num_rows == rows_padded else num_rows
+  q = tiles.load_tile(q_ref, 0, rows_padded, seq_len=valid_rows,
                       head_dim=head_dim)
   if fp8:  # Exact: FP8_COMPUTE_DTYPE holds every e4m3 value.
     q = q.astype(FP8_COMPUTE_DTYPE)
   slope2 = None
   if slopes_ref is not None:
-    slope2 = (plgpu.load(slopes_ref.at[:]) * numerics.LOG2_E)[:, None]
+    slopes = plgpu.load(slopes_ref.at[:], other=0.0,
+                        mask=None if valid_rows is None else (
+                            jnp.arange(rows_padded) < num_rows))
+    slope2 = (slopes * numerics.LOG2_E)[:, None]
 
   def step(k_tile_index, carry):
     acc, row_max, row_sum = carry
@@ -269,8 +287,8 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
   normalizer = v_descale / safe_sum if fp8 else 1.0 / safe_sum
   out = acc * jnp.where(has_keys, normalizer, 0.0)[:, None]
   lse = jnp.where(has_keys, row_max + jnp.log2(safe_sum), -jnp.inf)
-  tiles.store_tile(o_ref, 0, out, seq_len=rows_padded, head_dim=head_dim)
-  tiles.store_row_stats(lse_ref, 0, lse, seq_len=rows_padded)
+  tiles.store_tile(o_ref, 0, out, seq_len=num_rows, head_dim=head_dim)
+  tiles.store_row_stats(lse_ref, 0, lse, seq_len=num_rows)
 
 
 def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
@@ -279,12 +297,14 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
                 scale: float, soft_cap: float | None, num_tokens: int,
                 group: int, num_splits: int, block_k: int, num_warps: int,
                 num_stages: int, interpret: bool, out_dtype=jnp.float32,
-                row_offset: int = 0):
+                row_offset: int = 0, grid_axes=None):
   """The split partials of decode attention.
 
   Args:
-    q_packed: [B, K, M, H], M >= T * g rows (row r: token r // g, query
-      head kv * g + r % g; rows past T * g are padding).
+    q_packed: [B, K, M, H], M packed rows (row r: token (row_offset + r)
+      // g, query head kv * g + (row_offset + r) % g), not padded: the
+      kernel's tile of M rounded up to a power of two >= MIN_ROWS rows
+      reads the rows past M as 0 and stores none of them.
     key, value: dense caches [B, S, K, H], or with `block_table` paged
       caches [P, page_size, K, H].
     lengths: int32 [B], valid cache entries including the T new tokens.
@@ -306,32 +326,42 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
       call's output dtype when one split's output is final).
     row_offset: the packed row index of q_packed's first row (a launch
       over a slice of the rows; see `plan_launch`).
+    grid_axes: the order of the launch grid's axes, fastest first
+      (default GRID_AXES).
 
   Returns:
     (out [P, B, K, M, H] in out_dtype, lse2 float32 [P, B, K, M]) per
     split P;
     rows that see nothing in a split have lse2 = -inf and out = 0.
   """
-  batch, num_kv_heads, rows_padded, head_dim = q_packed.shape
+  grid_axes = GRID_AXES if grid_axes is None else tuple(grid_axes)
+  if sorted(grid_axes) != ["batch", "head", "split"]:
+    raise ValueError(f"{grid_axes=} must order split, batch and head.")
+  batch, num_kv_heads, num_rows, head_dim = q_packed.shape
+  rows_padded = max(MIN_ROWS, pl.next_power_of_2(num_rows))
   head_dim_p = tiles.head_dim_padded(head_dim)
-  q_spec = pl.BlockSpec((None, None, rows_padded, head_dim_p),
-                        lambda s, b, h: (b, h, 0, 0))
+  # Index maps written over (split, batch, kv head), whatever the order.
+  spec = lambda shape, index: pl.BlockSpec(
+      shape, lambda *g: index(*_grid_index(grid_axes, *g)))
+  q_spec = spec((None, None, rows_padded, head_dim_p),
+                lambda s, b, h: (b, h, 0, 0))
   if block_table is None:  # Each program: its (batch, kv head)'s [S, H_p].
-    kv_spec = pl.BlockSpec((None, key.shape[1], None, head_dim_p),
-                           lambda s, b, h: (b, 0, h, 0))
+    kv_spec = spec((None, key.shape[1], None, head_dim_p),
+                   lambda s, b, h: (b, 0, h, 0))
   else:  # Each program: every page of its kv head, [P, page_size, H_p].
-    kv_spec = pl.BlockSpec((*key.shape[:2], None, head_dim_p),
-                           lambda s, b, h: (0, 0, h, 0))
+    kv_spec = spec((*key.shape[:2], None, head_dim_p),
+                   lambda s, b, h: (0, 0, h, 0))
   kernel = functools.partial(
       decode_kernel, mask=mask, scale=scale, soft_cap=soft_cap,
       block_k=block_k, head_dim=head_dim, num_tokens=num_tokens,
-      group=group, num_splits=num_splits, row_offset=row_offset)
-  whole = lambda x: pl.BlockSpec(x.shape, lambda s, b, h: (0,) * x.ndim)
+      group=group, num_splits=num_splits, num_rows=num_rows,
+      row_offset=row_offset, grid_axes=grid_axes)
+  whole = lambda x: spec(x.shape, lambda s, b, h: (0,) * x.ndim)
   optional = {
       "table_ref": (block_table, None if block_table is None
                     else whole(block_table)),
-      "slopes_ref": (slopes, pl.BlockSpec((None, None, rows_padded),
-                                          lambda s, b, h: (b, h, 0))),
+      "slopes_ref": (slopes, spec((None, None, rows_padded),
+                                  lambda s, b, h: (b, h, 0))),
       # Whole [B, K] arrays; each program loads its (batch, kv head)'s.
       "qk_descale_ref": (qk_descale, None if qk_descale is None
                          else whole(qk_descale)),
@@ -354,16 +384,17 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
     kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, o_ref=o_ref,
            lse_ref=lse_ref, **named)
 
-  parts = (num_splits, batch, num_kv_heads, rows_padded)
+  sizes = dict(split=num_splits, batch=batch, head=num_kv_heads)
+  parts = (num_splits, batch, num_kv_heads, num_rows)
   return pl.pallas_call(
       body,
-      grid=(num_splits, batch, num_kv_heads),
+      grid=tuple(sizes[axis] for axis in grid_axes),
       in_specs=in_specs,
       out_specs=[
-          pl.BlockSpec((None, None, None, rows_padded, head_dim_p),
-                       lambda s, b, h: (s, b, h, 0, 0)),
-          pl.BlockSpec((None, None, None, rows_padded),
-                       lambda s, b, h: (s, b, h, 0)),
+          spec((None, None, None, rows_padded, head_dim_p),
+               lambda s, b, h: (s, b, h, 0, 0)),
+          spec((None, None, None, rows_padded),
+               lambda s, b, h: (s, b, h, 0)),
       ],
       out_shape=[
           sharding.output_struct((*parts, head_dim), out_dtype, q_packed,

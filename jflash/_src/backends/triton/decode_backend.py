@@ -45,6 +45,8 @@ DecodeLaunch = triton_decode.DecodeLaunch
 # --sweep patches it); calls it does not fit take a fallback
 # (`triton_decode.plan_launch`).
 DEFAULT_LAUNCH = DecodeLaunch()
+# The launch grid's axis order, fastest first (read when a call is traced).
+GRID_AXES = triton_decode.GRID_AXES
 
 
 def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
@@ -60,23 +62,20 @@ def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
   return max(1, min(-(-slots // programs), tiles // MIN_TILES_PER_SPLIT))
 
 
-def _pack(x, num_kv_heads: int, rows_padded: int):
-  """[B, T, N, ...] -> [B, K, rows_padded, ...]: row r = t * g + j holds
-  token t of query head kv * g + j; padding rows are zeros."""
+def _pack(x, num_kv_heads: int):
+  """[B, T, N, ...] -> [B, K, T * g, ...]: row r = t * g + j holds token t
+  of query head kv * g + j (at T = 1 a reshape, no copy)."""
   batch, num_tokens, num_heads = x.shape[:3]
   group = num_heads // num_kv_heads
   x = x.reshape(batch, num_tokens, num_kv_heads, group, *x.shape[3:])
-  x = jnp.moveaxis(x, 2, 1).reshape(batch, num_kv_heads,
-                                    num_tokens * group, *x.shape[4:])
-  pad = [(0, 0), (0, 0), (0, rows_padded - num_tokens * group)]
-  return jnp.pad(x, pad + [(0, 0)] * (x.ndim - 3))
+  return jnp.moveaxis(x, 2, 1).reshape(batch, num_kv_heads,
+                                       num_tokens * group, *x.shape[4:])
 
 
 def _unpack(x, num_tokens: int, num_heads: int):
-  """The inverse of `_pack`: [B, K, M, ...] -> [B, T, N, ...]."""
+  """The inverse of `_pack`: [B, K, T * g, ...] -> [B, T, N, ...]."""
   batch, num_kv_heads = x.shape[:2]
   group = num_heads // num_kv_heads
-  x = x[:, :, :num_tokens * group]
   x = x.reshape(batch, num_kv_heads, num_tokens, group, *x.shape[3:])
   return jnp.moveaxis(x, 1, 2).reshape(batch, num_tokens, num_heads,
                                        *x.shape[4:])
@@ -128,24 +127,25 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
   batch, num_tokens, num_heads, _ = query.shape
   num_kv_heads = key.shape[2]
   group = num_heads // num_kv_heads
-  # Triton tiles: a power of two, at least 16 rows.
+  # The packed rows, T x g per kv head, stay unpadded in memory; the
+  # kernel's tiles are a power of two >= MIN_ROWS rows.
+  num_rows = num_tokens * group
   rows_padded = max(triton_decode.MIN_ROWS,
-                    1 << (num_tokens * group - 1).bit_length())
+                    1 << (num_rows - 1).bit_length())
   plan = triton_decode.plan_launch(
       rows_padded, head_dim=query.shape[-1],
       itemsize=jnp.dtype(query.dtype).itemsize,
       device_kind=platform.device_kind(), preferred=DEFAULT_LAUNCH)
   per_row = lambda x: None if x is None else _pack(
       jnp.broadcast_to(x[:, None, :], (batch, num_tokens, num_heads)),
-      num_kv_heads, rows_padded)
+      num_kv_heads)
   # One split and no sink: the kernel's output is final (written in the
   # output dtype) and the combine is skipped.
   final = num_splits == 1 and sinks is None
-  q_packed, slopes_packed = _pack(query, num_kv_heads, rows_padded), per_row(
-      slopes)
+  q_packed, slopes_packed = _pack(query, num_kv_heads), per_row(slopes)
   # The packed rows in launches of plan.rows rows (one launch if it fits).
   rows_of = lambda x, start: None if x is None else (
-      x if plan.rows == rows_padded else x[:, :, start:start + plan.rows])
+      x if plan.rows >= num_rows else x[:, :, start:start + plan.rows])
   parts = [
       triton_decode.decode_call(
           rows_of(q_packed, start), key, value, lengths,
@@ -156,8 +156,8 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
           num_warps=plan.launch.num_warps,
           num_stages=plan.launch.num_stages,
           out_dtype=out_dtype if final else jnp.float32,
-          interpret=interpret, row_offset=start)
-      for start in range(0, rows_padded, plan.rows)]
+          interpret=interpret, row_offset=start, grid_axes=GRID_AXES)
+      for start in range(0, num_rows, plan.rows)]
   if len(parts) == 1:
     out_parts, lse2_parts = parts[0]
   else:  # Rows are axis 3 of [P, B, K, M, ...].
