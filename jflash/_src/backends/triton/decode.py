@@ -87,8 +87,13 @@ FP8_COMPUTE_DTYPE = jnp.float16
 
 
 # The launch grid's axes, fastest first: CUDA starts programs in order of
-# the grid's first axis, then its second, then its third.
-GRID_AXES = ("split", "batch", "head")
+# the grid's first axis, then its second, then its third. Kv head first:
+# the programs running together read the K heads of the same cache rows
+# (with a [B, S, K, H] cache, whole rows of K x H) rather than one head's
+# rows of many sequences (H of every K x H); on an H100, bf16, one split,
+# 1-2% faster than (split, batch, head) at 64-256 sequences of 512-2048
+# keys (HELPER_REPORT.md, issue 23).
+GRID_AXES = ("head", "batch", "split")
 
 
 def _grid_index(axes, *index):
