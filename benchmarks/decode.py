@@ -160,7 +160,8 @@ def sweep(num_tokens, rng):
       row += f" splits={n} {seconds / base:.2f};"
     for block_k, warps, stages in LAUNCHES:
       launch = decode_lib.DecodeLaunch(block_k, warps, stages)
-      with mock.patch.object(decode_lib, "DEFAULT_LAUNCH", launch):
+      with mock.patch.object(decode_lib, "DEFAULT_LAUNCH", launch), \
+          mock.patch.object(decode_lib, "ONE_SPLIT_LAUNCH", None):
         try:  # A fresh jit: traced (and the split count chosen) here.
           seconds = median_seconds(jax.jit(run), (q, k, v, lengths))
           row += f" k{block_k}w{warps}s{stages} {seconds / base:.2f};"

@@ -290,6 +290,52 @@ class DecodeTest(parameterized.TestCase):
     self.assertEqual(decode_backend.default_num_splits(1, 8, 256, 64), 1)
     self.assertEqual(decode_backend.default_num_splits(8, 8, 8192, 64), 5)
 
+  def test_one_split_launch_where_it_was_measured(self):
+    # ONE_SPLIT_LAUNCH first for one split, a 16-row tile of 16-bit
+    # elements at head dim 128, dense or pages a multiple of 128 keys;
+    # DEFAULT_LAUNCH alone elsewhere.
+    one, default = (decode_backend.ONE_SPLIT_LAUNCH,
+                    decode_backend.DEFAULT_LAUNCH)
+    prefer = lambda **kw: decode_backend.preferred_launches(**{
+        **dict(num_splits=1, rows_padded=16, head_dim=128, itemsize=2), **kw})
+    self.assertEqual(prefer(), (one, default))
+    self.assertEqual(prefer(head_dim=96), (one, default))
+    self.assertEqual(prefer(page_size=256), (one, default))
+    for changes in (dict(num_splits=2), dict(rows_padded=32),
+                    dict(head_dim=256), dict(head_dim=64), dict(itemsize=4),
+                    dict(itemsize=1), dict(page_size=64)):
+      self.assertEqual(prefer(**changes), (default,), msg=f"{changes}")
+    with mock.patch.object(decode_backend, "ONE_SPLIT_LAUNCH", None):
+      self.assertEqual(prefer(), (default,))
+
+  @parameterized.named_parameters(("dense", None), ("pages_of_128", 128))
+  def test_one_split_launch_matches_the_reference(self, page_size):
+    # bfloat16, head dim 128, one token x a GQA group of 4 (4 rows of a
+    # 16-row tile), one split: 128-key tiles over caches that end inside a
+    # tile, ALiBi (the slopes of 4 rows) and sinks.
+    q, k, v = _inputs(12, batch=3, num_tokens=1, num_heads=8,
+                      num_kv_heads=2, kv_seq=384, head_dim=128,
+                      dtype="bfloat16")
+    lengths = jnp.array([384, 131, 0], jnp.int32)
+    extra = {}
+    if page_size:
+      pages = lambda x: x.reshape(-1, page_size, *x.shape[2:])
+      extra["block_table"] = jnp.arange(9, dtype=jnp.int32).reshape(3, 3)
+    options = dict(implementation="decode", interpret=test_util.INTERPRET,
+                   num_splits=1)
+    kwargs = dict(alibi_slopes=jnp.linspace(0.01, 0.1, 8),
+                  sinks=jnp.linspace(-1, 1, 8))
+    with mock.patch.object(triton_decode, "decode_call",
+                           wraps=triton_decode.decode_call) as calls:
+      out, lse = jax.jit(lambda q, k, v, lengths: jflash.decode_attention(
+          q, k, v, lengths, return_residual=True,
+          residual_dtype=jnp.float32, **options, **extra, **kwargs))(
+              q, pages(k) if page_size else k,
+              pages(v) if page_size else v, lengths)
+    self.assertEqual(calls.call_args.kwargs["block_k"],
+                     decode_backend.ONE_SPLIT_LAUNCH.block_k)
+    self._check_results(out, lse, q, k, v, lengths, **kwargs)
+
   def test_gradients_of_a_dense_cache_paged_raises(self):
     # decode_attention is flash_attention's call: a dense cache is
     # differentiable (the forward on the decode kernel, the backward on

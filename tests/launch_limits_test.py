@@ -20,6 +20,7 @@ import jflash
 from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.triton import block_sizes
 from jflash._src.backends.triton import decode as triton_decode
+from jflash._src.backends.triton import decode_backend
 
 DEVICE_KINDS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
                 "NVIDIA L4")
@@ -97,11 +98,16 @@ class DecodeLaunchTest(parameterized.TestCase):
     itemsize = DECODE_ITEMSIZES[dtype]
     # Packed rows: 1..16 tokens x GQA groups up to 128 query heads per kv
     # head, padded to a power of two >= 16 (decode.kernel_attention).
-    for head_dim, rows in itertools.product(
-        HEAD_DIMS, (16, 32, 64, 128, 256, 512, 1024, 2048)):
+    # Every launch the backend prefers: DEFAULT_LAUNCH, and first
+    # ONE_SPLIT_LAUNCH where decode_backend.preferred_launches takes it.
+    for head_dim, rows, num_splits in itertools.product(
+        HEAD_DIMS, (16, 32, 64, 128, 256, 512, 1024, 2048), (1, 2)):
+      preferred = decode_backend.preferred_launches(
+          num_splits=num_splits, rows_padded=rows, head_dim=head_dim,
+          itemsize=itemsize)
       plan = triton_decode.plan_launch(
           rows, head_dim=head_dim, itemsize=itemsize,
-          device_kind=device_kind, preferred=triton_decode.DecodeLaunch())
+          device_kind=device_kind, preferred=preferred)
       need = triton_decode.shared_memory(plan.launch, rows=plan.rows,
                                          head_dim=head_dim,
                                          itemsize=itemsize)

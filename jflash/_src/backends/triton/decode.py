@@ -165,18 +165,23 @@ def _with_warps_for_accumulator(launch: DecodeLaunch, rows: int,
 
 
 def plan_launch(rows_padded: int, *, head_dim: int, itemsize: int,
-                device_kind: str, preferred: DecodeLaunch) -> DecodePlan:
+                device_kind: str,
+                preferred: DecodeLaunch | tuple[DecodeLaunch, ...]
+                ) -> DecodePlan:
   """The launch of a decode call that fits the device's shared memory.
 
   The most rows per launch (at most MAX_ROWS_PER_LAUNCH), then the first of
-  `preferred`, FALLBACK_LAUNCHES that fits, with warps enough for the
-  accumulator; with none fitting, half the rows. At 16 rows the smallest fallback fits every supported head dim and
+  `preferred` (one launch or several, in order), FALLBACK_LAUNCHES that
+  fits, with warps enough for the accumulator; with none fitting, half the
+  rows. At 16 rows the smallest fallback fits every supported head dim and
   dtype on every GPU family block_sizes.shared_memory_limit knows.
   """
+  if isinstance(preferred, DecodeLaunch):
+    preferred = (preferred,)
   limit = block_sizes.shared_memory_limit(device_kind)
   rows = min(rows_padded, MAX_ROWS_PER_LAUNCH)
   while True:
-    for launch in (preferred, *FALLBACK_LAUNCHES):
+    for launch in (*preferred, *FALLBACK_LAUNCHES):
       if shared_memory(launch, rows=rows, head_dim=head_dim,
                        itemsize=itemsize) <= limit:
         return DecodePlan(rows=rows, launch=_with_warps_for_accumulator(
@@ -254,9 +259,11 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
     q = q.astype(FP8_COMPUTE_DTYPE)
   slope2 = None
   if slopes_ref is not None:
-    slopes = plgpu.load(slopes_ref.at[:], other=0.0,
-                        mask=None if valid_rows is None else (
-                            jnp.arange(rows_padded) < num_rows))
+    if valid_rows is None:
+      slopes = plgpu.load(slopes_ref.at[:])
+    else:
+      slopes = plgpu.load(slopes_ref.at[:], other=0.0,
+                          mask=jnp.arange(rows_padded) < num_rows)
     slope2 = (slopes * numerics.LOG2_E)[:, None]
 
   def step(k_tile_index, carry):

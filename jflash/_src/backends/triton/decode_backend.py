@@ -29,6 +29,7 @@ from jflash._src import numerics
 from jflash._src import platform
 from jflash._src import registry
 from jflash._src.backends.triton import decode as triton_decode
+from jflash._src.backends.triton import tiles
 from jflash._src.spec import CallSpec
 from jflash._src.spec import Operands
 
@@ -45,6 +46,15 @@ DecodeLaunch = triton_decode.DecodeLaunch
 # --sweep patches it); calls it does not fit take a fallback
 # (`triton_decode.plan_launch`).
 DEFAULT_LAUNCH = DecodeLaunch()
+# The preferred launch of calls with one split (many sequences: B x K
+# programs fill the GPU) and a 16-row tile of 16-bit elements at head dim
+# 128, on a dense cache or pages a multiple of its key tile: 128-key tiles,
+# 3 stages (143 KB of shared memory: one program per multiprocessor). On an
+# H100 (bf16, GQA 32/8, lengths S/2..S) 1-4% faster than DEFAULT_LAUNCH at
+# 64-128 sequences of 1024-2048 keys, within 1% at 128 x 1024 and 256 x
+# 512 (HELPER_REPORT.md, issue 23). None: DEFAULT_LAUNCH everywhere
+# (benchmarks/decode.py --parts sweep sets it so).
+ONE_SPLIT_LAUNCH = DecodeLaunch(block_k=128, num_warps=4, num_stages=3)
 # The launch grid's axis order, fastest first (read when a call is traced).
 GRID_AXES = triton_decode.GRID_AXES
 
@@ -60,6 +70,22 @@ def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
     return 1
   tiles = -(-kv_seq // (block_k or DEFAULT_LAUNCH.block_k))
   return max(1, min(-(-slots // programs), tiles // MIN_TILES_PER_SPLIT))
+
+
+def preferred_launches(*, num_splits: int, rows_padded: int, head_dim: int,
+                       itemsize: int, page_size: int | None = None
+                       ) -> tuple[DecodeLaunch, ...]:
+  """The launches `kernel_attention` asks `plan_launch` for, in order:
+  ONE_SPLIT_LAUNCH first where it was measured faster (see there; a
+  paged cache only with pages a multiple of its key tile, which are read
+  without a gather), then DEFAULT_LAUNCH."""
+  one = ONE_SPLIT_LAUNCH
+  if (one is not None and num_splits == 1
+      and rows_padded <= triton_decode.MIN_ROWS and itemsize == 2
+      and tiles.head_dim_padded(head_dim) == 128
+      and (page_size is None or page_size % one.block_k == 0)):
+    return (one, DEFAULT_LAUNCH)
+  return (DEFAULT_LAUNCH,)
 
 
 def _pack(x, num_kv_heads: int):
@@ -135,7 +161,10 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
   plan = triton_decode.plan_launch(
       rows_padded, head_dim=query.shape[-1],
       itemsize=jnp.dtype(query.dtype).itemsize,
-      device_kind=platform.device_kind(), preferred=DEFAULT_LAUNCH)
+      device_kind=platform.device_kind(), preferred=preferred_launches(
+          num_splits=num_splits, rows_padded=rows_padded,
+          head_dim=query.shape[-1], itemsize=jnp.dtype(query.dtype).itemsize,
+          page_size=None if block_table is None else key.shape[1]))
   per_row = lambda x: None if x is None else _pack(
       jnp.broadcast_to(x[:, None, :], (batch, num_tokens, num_heads)),
       num_kv_heads)
