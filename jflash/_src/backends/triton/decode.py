@@ -90,9 +90,10 @@ FP8_COMPUTE_DTYPE = jnp.float16
 # the grid's first axis, then its second, then its third. Kv head first:
 # the programs running together read the K heads of the same cache rows
 # (with a [B, S, K, H] cache, whole rows of K x H) rather than one head's
-# rows of many sequences (H of every K x H); on an H100, bf16, one split,
-# 1-2% faster than (split, batch, head) at 64-256 sequences of 512-2048
-# keys (HELPER_REPORT.md, issue 23).
+# rows of many sequences (H of every K x H). On an H100, bf16, one split:
+# 1-2% faster than (split, batch, head) at 128-256 sequences of 512-2048
+# keys, within 1% at 64 x 1024 and on split calls (RECORD.md, 2026-11-25,
+# issue 23 item 2).
 GRID_AXES = ("head", "batch", "split")
 
 

@@ -51,9 +51,10 @@ DEFAULT_LAUNCH = DecodeLaunch()
 # 128, on a dense cache or pages a multiple of its key tile: 128-key tiles,
 # 3 stages (143 KB of shared memory: one program per multiprocessor). On an
 # H100 (bf16, GQA 32/8, lengths S/2..S) 1-4% faster than DEFAULT_LAUNCH at
-# 64-128 sequences of 1024-2048 keys, within 1% at 128 x 1024 and 256 x
-# 512 (HELPER_REPORT.md, issue 23). None: DEFAULT_LAUNCH everywhere
-# (benchmarks/decode.py --parts sweep sets it so).
+# 64-128 sequences of 1024-2048 keys, within 1% at 128 x 1024 and
+# 256 x 512 (RECORD.md, 2026-11-25, issue 23 item 2); not measured on
+# other GPUs. None: DEFAULT_LAUNCH everywhere (benchmarks/decode.py
+# --parts sweep sets it so).
 ONE_SPLIT_LAUNCH = DecodeLaunch(block_k=128, num_warps=4, num_stages=3)
 # The launch grid's axis order, fastest first (read when a call is traced).
 GRID_AXES = triton_decode.GRID_AXES
