@@ -1,9 +1,10 @@
 """Context parallelism (ring.py, ring_loop.py) against flash_attention.
 
 The multi-device cases (`RingAttentionTest`) need 8 devices, which must be
-set before JAX starts: as in sharding_test.py, `EightDevicesTest` runs them
-in a subprocess with JFLASH_TEST_CPU_DEVICES=8 and fails with its output if
-any fails; in the suite's process they skip. Meshes of 2, 4 and 8 devices
+set before JAX starts: as in sharding_test.py, the CPU suite's processes
+have them (conftest.py); a process with fewer skips the cases and
+`EightDevicesTest` runs them in a subprocess with
+JFLASH_TEST_CPU_DEVICES=8, failing with its output if any fails. Meshes of 2, 4 and 8 devices
 come from those 8. Most cases run the XLA path (cheap to compile); one per
 layout runs the Triton kernels through the Pallas interpreter. Every case
 compares the output and all gradients with single-device

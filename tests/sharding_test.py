@@ -1,10 +1,10 @@
 """Batch and head sharding on 8 CPU devices, per backend (sharding.py).
 
-The cases need 8 devices, which must be set before JAX starts: the suite's
-own process has one, so `EightDevicesTest` runs this file again in a
-subprocess with JFLASH_TEST_CPU_DEVICES=8 (conftest.py) and fails with its
-output if any case fails. In the suite's process the per-backend cases skip,
-saying so; in the subprocess they run.
+The cases need 8 devices, which must be set before JAX starts: the CPU
+suite's processes have 8 CPU devices (conftest.py) and run them directly.
+A process with fewer (the GPU suite, or this file run alone) skips them,
+saying so, and `EightDevicesTest` runs this file again in a subprocess with
+JFLASH_TEST_CPU_DEVICES=8, failing with its output if any case fails.
 
 Each case compares forward and gradients with the unsharded call (on the
 xla backend, shared by all backends' cases), checks that outputs and
