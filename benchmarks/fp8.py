@@ -5,6 +5,7 @@ Usage (repo root, H100/H200):
   PYTHONPATH=. python3 benchmarks/fp8.py time [--json F] [--quick]
   PYTHONPATH=. python3 benchmarks/fp8.py accuracy [--json F]
   PYTHONPATH=. python3 benchmarks/fp8.py sweep [--json F]
+  PYTHONPATH=. python3 benchmarks/fp8.py prefetch_ab [--rounds R] [--json F]
 
 check: per case (head dims 64/128/256, masks, GQA, ragged lengths, sinks,
   soft cap, tiles), the kernel against the exact XLA model of its
@@ -19,6 +20,10 @@ time: B=1, 16 heads, 16k tokens (FlashAttention-3's FP8 setting), D = 64,
   TFLOP/s = 4 B N T S D / time (x 1/2 causal). Medians of fresh inputs.
 sweep: as time, the default tiles with and without the softmax's
   optimization barrier (forward.FP8_SOFTMAX_BARRIER), persistent or not.
+prefetch_ab: as time, the default FP8 tiles with the persistent kernel's Q
+  prefetch (forward.Q_PREFETCH) on and off, and cuDNN bf16, in R
+  alternating rounds (medians of the rounds' times): the one switch's
+  effect, clear of the run-to-run spread of separate runs.
 accuracy: FlashAttention-3's recipe (standard normal q/k/v, 0.1% of the
   entries x10), B=2, 4096 tokens, 16 heads, D = 64/128/256, through
   jflash.flash_attention: relative RMS error against float32 attention on
@@ -257,6 +262,52 @@ def time_all(args) -> int:
   return 0
 
 
+def prefetch_ab(args) -> int:
+  batch, heads, seq = 1, 16, 16384
+  rows = []
+  for d, causal in ((64, False), (128, False), (256, False), (128, True)):
+    flops = 4 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
+    tiles = mosaic_config.default_fp8_block_sizes(d, causal)
+
+    def make(r, d=d):
+      keys = jax.random.split(jax.random.key(300 + r), 3)
+      (q8, qd), (k8, kd), (v8, vd) = (quantize(jax.random.normal(
+          key, (batch, seq, heads, d), jnp.float32), heads) for key in keys)
+      return q8, k8, v8, (qd, kd, vd)
+
+    def make_bf16(r, d=d):
+      keys = jax.random.split(jax.random.key(300 + r), 3)
+      return [jax.random.normal(key, (batch, seq, heads, d), jnp.bfloat16)
+              for key in keys]
+
+    variants = {}
+    for prefetch in (True, False):
+      forward.Q_PREFETCH = prefetch  # read when the call is traced, below
+      fn = jax.jit(functools.partial(fp8_call, block_sizes=tiles,
+                                     is_causal=causal))
+      jax.block_until_ready(fn(*make(0)))
+      variants[f"prefetch_{'on' if prefetch else 'off'}"] = (
+          lambda *a, fn=fn: fn(*a)[0], make)
+    forward.Q_PREFETCH = True
+    variants["cudnn_bf16"] = (jax.jit(functools.partial(
+        jax.nn.dot_product_attention, implementation="cudnn",
+        is_causal=causal)), make_bf16)
+    times = {name: [] for name in variants}
+    for r in range(args.rounds):
+      for name, (fn, make_args) in variants.items():
+        times[name].append(bench(fn, lambda i, r=r, m=make_args: m(
+            10 * r + i), rounds=1))
+    row = dict(d=d, causal=causal, block_kv=tiles.block_kv,
+               rounds=args.rounds)
+    for name, ts in times.items():
+      row[name] = flops / float(np.median(ts)) / 1e12
+    row["on_vs_off"] = row["prefetch_on"] / row["prefetch_off"]
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  write_json(args.json, rows)
+  return 0
+
+
 def sweep(args) -> int:
   batch, heads, seq = 1, 16, 16384
   rows = []
@@ -335,15 +386,18 @@ def accuracy(args) -> int:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("mode", choices=("check", "time", "accuracy", "sweep"))
+  parser.add_argument("mode", choices=("check", "time", "accuracy", "sweep",
+                                       "prefetch_ab"))
   parser.add_argument("--json", help="write the results here")
   parser.add_argument("--quick", action="store_true",
                       help="time: D=128 non-causal only; accuracy: 256 "
                       "tokens")
+  parser.add_argument("--rounds", type=int, default=9,
+                      help="prefetch_ab: alternating rounds")
   args = parser.parse_args(argv)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
   return {"check": check, "time": time_all, "accuracy": accuracy,
-          "sweep": sweep}[args.mode](args)
+          "sweep": sweep, "prefetch_ab": prefetch_ab}[args.mode](args)
 
 
 if __name__ == "__main__":
