@@ -21,7 +21,8 @@ time: B=1, 16 heads, 16k tokens (FlashAttention-3's FP8 setting), D = 64,
 sweep: as time, the default tiles with and without the softmax's
   optimization barrier (forward.FP8_SOFTMAX_BARRIER), persistent or not.
 prefetch_ab: as time, the default FP8 tiles with the persistent kernel's Q
-  prefetch (forward.Q_PREFETCH) on and off, and cuDNN bf16, in R
+  prefetch on and off (forward.FP8_Q_PREFETCH_HEAD_DIMS patched to hold
+  the head dim or not), and cuDNN bf16, in R
   alternating rounds (medians of the rounds' times): the one switch's
   effect, clear of the run-to-run spread of separate runs.
 accuracy: FlashAttention-3's recipe (standard normal q/k/v, 0.1% of the
@@ -281,14 +282,16 @@ def prefetch_ab(args) -> int:
               for key in keys]
 
     variants = {}
+    default_dims = forward.FP8_Q_PREFETCH_HEAD_DIMS
     for prefetch in (True, False):
-      forward.Q_PREFETCH = prefetch  # read when the call is traced, below
+      # Read when the call is traced, below.
+      forward.FP8_Q_PREFETCH_HEAD_DIMS = (d,) if prefetch else ()
       fn = jax.jit(functools.partial(fp8_call, block_sizes=tiles,
                                      is_causal=causal))
       jax.block_until_ready(fn(*make(0)))
       variants[f"prefetch_{'on' if prefetch else 'off'}"] = (
           lambda *a, fn=fn: fn(*a)[0], make)
-    forward.Q_PREFETCH = True
+    forward.FP8_Q_PREFETCH_HEAD_DIMS = default_dims
     variants["cudnn_bf16"] = (jax.jit(functools.partial(
         jax.nn.dot_product_attention, implementation="cudnn",
         is_causal=causal)), make_bf16)

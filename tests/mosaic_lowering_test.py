@@ -139,6 +139,40 @@ class MosaicLoweringTest(parameterized.TestCase):
     # Another kernel (output tiles, the load in the epilogue).
     self.assertNotEqual(texts[False], texts[True])
 
+  def test_fp8_q_prefetch_only_at_its_head_dims(self):
+    # The FP8 forward prefetches Q only at forward.FP8_Q_PREFETCH_HEAD_DIMS
+    # (measured faster there, slower at 128 and 256); 16-bit calls wherever
+    # their output tiles fit.
+    self.assertTrue(mosaic_forward.q_prefetch(False, 128))
+    self.assertTrue(mosaic_forward.q_prefetch(True, 64))
+    self.assertFalse(mosaic_forward.q_prefetch(True, 128))
+    self.assertFalse(mosaic_forward.q_prefetch(True, 256))
+    with mock.patch.object(mosaic_forward, "Q_PREFETCH", False):
+      self.assertFalse(mosaic_forward.q_prefetch(True, 64))
+    # And the kernel follows it: a persistent FP8 call at head dim 128
+    # lowers to another kernel when 128 joins the table.
+    fp8 = "float8_e4m3fn"
+    spec = CallSpec(batch=2, q_len=256, kv_len=256, num_heads=4,
+                    num_kv_heads=2, head_dim=128, dtype=fp8,
+                    scale=128**-0.5, out_dtype="bfloat16",
+                    mask=MaskSpec(is_causal=False, has_lengths=False))
+    self.assertTrue(mosaic_forward.is_persistent(spec.mask))
+    config = mosaic_backend.BACKEND.configure(spec)
+    sds = jax.ShapeDtypeStruct
+    descale = sds((2, 2), jnp.float32)
+    operands = Operands(
+        query=sds((2, 256, 4, 128), fp8), key=sds((2, 256, 2, 128), fp8),
+        value=sds((2, 256, 2, 128), fp8), q_descale=descale,
+        k_descale=descale, v_descale=descale)
+    texts = []
+    for dims in ((), (128,)):
+      with mock.patch.object(mosaic_forward, "FP8_Q_PREFETCH_HEAD_DIMS",
+                             dims):
+        texts.append(_lower(
+            lambda ops: mosaic_backend.forward(spec, config, ops),
+            operands)[0])
+    self.assertNotEqual(texts[0], texts[1])
+
   def _check_ping_pong(self, forward_text, spec):
     # The consumers' turns go through the named barriers (PTX `bar` over
     # both consumers' 256 threads, in the serialized Mosaic module) exactly

@@ -133,6 +133,17 @@ PING_PONG = "auto"
 # without it; RECORD 2026-11-25, "The Q prefetch's check at size"). A module
 # switch for A/B runs.
 Q_PREFETCH = True
+# The FP8 forward (output tiles of its own anyway) prefetches only at these
+# head dims: H100, 16k tokens, default FP8 tiles, 7 alternating rounds
+# (`benchmarks/fp8.py prefetch_ab`, RECORD 2026-11-26, "After the decode and
+# Q-prefetch changes"): on / off 1.035 at D=64, 0.963 at D=128, 0.980 at
+# D=256, 0.960 at D=128 causal.
+FP8_Q_PREFETCH_HEAD_DIMS = (64,)
+
+
+def q_prefetch(fp8: bool, head_dim: int) -> bool:
+  """Whether a persistent forward with output tiles prefetches Q."""
+  return Q_PREFETCH and (not fp8 or head_dim in FP8_Q_PREFETCH_HEAD_DIMS)
 
 
 def named_ping_pong(mask: MaskSpec, head_dim: int) -> bool:
@@ -571,7 +582,8 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
     if persistent is None:
       consume(block_at(), 0)
     else:
-      prefetch = Q_PREFETCH and scratch.out is not None and q_ids is None
+      prefetch = (q_prefetch(fp8, head_dim) and scratch.out is not None
+                   and q_ids is None)
 
       def run_block(block, base, *next_args):
         # The previous block's output stores must have read the output
