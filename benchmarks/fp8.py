@@ -263,22 +263,39 @@ def time_all(args) -> int:
   return 0
 
 
-def prefetch_ab(args) -> int:
-  batch, heads, seq = 1, 16, 16384
-  rows = []
-  for d, causal in ((64, False), (128, False), (256, False), (128, True)):
-    flops = 4 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
-    tiles = mosaic_config.default_fp8_block_sizes(d, causal)
+def fp8_inputs(shape, seed: int):
+  """make(r): e4m3 q, k, v of `shape` [B, T, N, D] quantized per (batch,
+  head) from fresh standard normal inputs (key seed + r), and the
+  descales, as fp8_call takes them."""
 
-    def make(r, d=d):
-      keys = jax.random.split(jax.random.key(300 + r), 3)
-      (q8, qd), (k8, kd), (v8, vd) = (quantize(jax.random.normal(
-          key, (batch, seq, heads, d), jnp.float32), heads) for key in keys)
-      return q8, k8, v8, (qd, kd, vd)
+  def make(r):
+    keys = jax.random.split(jax.random.key(seed + r), 3)
+    (q8, qd), (k8, kd), (v8, vd) = (quantize(jax.random.normal(
+        key, shape, jnp.float32), shape[2]) for key in keys)
+    return q8, k8, v8, (qd, kd, vd)
+
+  return make
+
+
+def default_tile_cases(settings, seed: int):
+  """Per (head dim, causal) of `settings` at FlashAttention-3's FP8 setting
+  (B=1, 16 heads, 16k tokens): d, causal, the flop count, the default FP8
+  tiles and the inputs' `make` (fp8_inputs)."""
+  shape = lambda d: (1, 16384, 16, d)
+  for d, causal in settings:
+    flops = 4 * 16 * 16384**2 * d * (0.5 if causal else 1.0)
+    yield (d, causal, flops, mosaic_config.default_fp8_block_sizes(d, causal),
+           fp8_inputs(shape(d), seed))
+
+
+def prefetch_ab(args) -> int:
+  rows = []
+  for d, causal, flops, tiles, make in default_tile_cases(
+      ((64, False), (128, False), (256, False), (128, True)), seed=300):
 
     def make_bf16(r, d=d):
       keys = jax.random.split(jax.random.key(300 + r), 3)
-      return [jax.random.normal(key, (batch, seq, heads, d), jnp.bfloat16)
+      return [jax.random.normal(key, (1, 16384, 16, d), jnp.bfloat16)
               for key in keys]
 
     variants = {}
@@ -312,17 +329,9 @@ def prefetch_ab(args) -> int:
 
 
 def sweep(args) -> int:
-  batch, heads, seq = 1, 16, 16384
   rows = []
-  for d, causal in ((64, False), (128, False), (128, True), (256, False)):
-    flops = 4 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
-    tiles = mosaic_config.default_fp8_block_sizes(d, causal)
-
-    def make(r, d=d):
-      keys = jax.random.split(jax.random.key(200 + r), 3)
-      (q8, qd), (k8, kd), (v8, vd) = (quantize(jax.random.normal(
-          key, (batch, seq, heads, d), jnp.float32), heads) for key in keys)
-      return q8, k8, v8, (qd, kd, vd)
+  for d, causal, flops, tiles, make in default_tile_cases(
+      ((64, False), (128, False), (128, True), (256, False)), seed=200):
 
     row = dict(d=d, causal=causal, block_kv=tiles.block_kv)
     for barrier in (True, False):
