@@ -161,7 +161,7 @@ def sweep(num_tokens, rng):
     for block_k, warps, stages in LAUNCHES:
       launch = decode_lib.DecodeLaunch(block_k, warps, stages)
       with mock.patch.object(decode_lib, "DEFAULT_LAUNCH", launch), \
-          mock.patch.object(decode_lib, "ONE_SPLIT_LAUNCH", None):
+          mock.patch.object(decode_lib, "WIDE_TILE_LAUNCH", None):
         try:  # A fresh jit: traced (and the split count chosen) here.
           seconds = median_seconds(jax.jit(run), (q, k, v, lengths))
           row += f" k{block_k}w{warps}s{stages} {seconds / base:.2f};"

@@ -11,7 +11,7 @@ Each case is B,S,N,K (batch, cache length, query heads, kv heads), head dim
 (`decode_route.inputs`). Variants: "default" (`flash_attention`'s default
 route), and for every split count x launch (block_k, warps, stages) the
 decode backend's `kernel_attention` traced in its own jit with that split
-count and `DEFAULT_LAUNCH` patched (`ONE_SPLIT_LAUNCH` off, so the patched
+count and `DEFAULT_LAUNCH` patched (`WIDE_TILE_LAUNCH` off, so the patched
 launch is the one taken where it fits); cuDNN with the kv lengths. Prints
 µs per call (median of the rounds) and cuDNN's time over each variant's;
 every variant's output is compared with the default's first.
@@ -55,7 +55,7 @@ def kernel_with(num_splits: int, launch: tuple[int, int, int]):
           decode_backend, "DEFAULT_LAUNCH",
           decode_backend.DecodeLaunch(*launch)))
       stack.enter_context(mock.patch.object(decode_backend,
-                                            "ONE_SPLIT_LAUNCH", None))
+                                            "WIDE_TILE_LAUNCH", None))
       return decode_backend.kernel_attention(
           q, k, v, lengths, None, None, None, mask=MASK,
           scale=q.shape[-1] ** -0.5, soft_cap=None, num_splits=num_splits,

@@ -290,29 +290,42 @@ class DecodeTest(parameterized.TestCase):
     self.assertEqual(decode_backend.default_num_splits(1, 8, 256, 64), 1)
     self.assertEqual(decode_backend.default_num_splits(8, 8, 8192, 64), 5)
 
-  def test_one_split_launch_where_it_was_measured(self):
-    # ONE_SPLIT_LAUNCH first for one split, a 16-row tile of 16-bit
-    # elements at head dim 128, dense or pages a multiple of 128 keys;
-    # DEFAULT_LAUNCH alone elsewhere.
-    one, default = (decode_backend.ONE_SPLIT_LAUNCH,
-                    decode_backend.DEFAULT_LAUNCH)
+  def test_wide_tile_launch_where_it_was_measured(self):
+    # WIDE_TILE_LAUNCH first for a 16-row tile of 16-bit elements at head
+    # dim 128, dense or pages a multiple of 128 keys, with one split or
+    # splits of at least WIDE_TILE_MIN_KEYS_PER_SPLIT keys; DEFAULT_LAUNCH
+    # alone elsewhere.
+    wide, default = (decode_backend.WIDE_TILE_LAUNCH,
+                     decode_backend.DEFAULT_LAUNCH)
+    least = decode_backend.WIDE_TILE_MIN_KEYS_PER_SPLIT
     prefer = lambda **kw: decode_backend.preferred_launches(**{
-        **dict(num_splits=1, rows_padded=16, head_dim=128, itemsize=2), **kw})
-    self.assertEqual(prefer(), (one, default))
-    self.assertEqual(prefer(head_dim=96), (one, default))
-    self.assertEqual(prefer(page_size=256), (one, default))
-    for changes in (dict(num_splits=2), dict(rows_padded=32),
-                    dict(head_dim=256), dict(head_dim=64), dict(itemsize=4),
-                    dict(itemsize=1), dict(page_size=64)):
+        **dict(num_splits=1, kv_seq=512, rows_padded=16, head_dim=128,
+               itemsize=2), **kw})
+    self.assertEqual(prefer(), (wide, default))
+    self.assertEqual(prefer(head_dim=96), (wide, default))
+    self.assertEqual(prefer(page_size=256), (wide, default))
+    self.assertEqual(prefer(num_splits=3, kv_seq=3 * least), (wide, default))
+    for changes in (dict(num_splits=2), dict(num_splits=3,
+                                              kv_seq=3 * least - 1),
+                    dict(rows_padded=32), dict(head_dim=256),
+                    dict(head_dim=64), dict(itemsize=4), dict(itemsize=1),
+                    dict(page_size=64)):
       self.assertEqual(prefer(**changes), (default,), msg=f"{changes}")
-    with mock.patch.object(decode_backend, "ONE_SPLIT_LAUNCH", None):
+    with mock.patch.object(decode_backend, "WIDE_TILE_LAUNCH", None):
       self.assertEqual(prefer(), (default,))
 
-  @parameterized.named_parameters(("dense", None), ("pages_of_128", 128))
-  def test_one_split_launch_matches_the_reference(self, page_size):
+  @parameterized.named_parameters(("dense", None, 1),
+                                  ("pages_of_128", 128, 1),
+                                  ("two_splits", None, 2))
+  def test_wide_tile_launch_matches_the_reference(self, page_size,
+                                                  num_splits):
     # bfloat16, head dim 128, one token x a GQA group of 4 (4 rows of a
-    # 16-row tile), one split: 128-key tiles over caches that end inside a
-    # tile, ALiBi (the slopes of 4 rows) and sinks.
+    # 16-row tile): 128-key tiles over caches that end inside a tile, ALiBi
+    # (the slopes of 4 rows) and sinks; in one split, or in two (each
+    # 192 keys long here: the threshold lowered so that a short test cache
+    # takes the wide tiles).
+    self.enter_context(mock.patch.object(
+        decode_backend, "WIDE_TILE_MIN_KEYS_PER_SPLIT", 128))
     q, k, v = _inputs(12, batch=3, num_tokens=1, num_heads=8,
                       num_kv_heads=2, kv_seq=384, head_dim=128,
                       dtype="bfloat16")
@@ -322,7 +335,7 @@ class DecodeTest(parameterized.TestCase):
       pages = lambda x: x.reshape(-1, page_size, *x.shape[2:])
       extra["block_table"] = jnp.arange(9, dtype=jnp.int32).reshape(3, 3)
     options = dict(implementation="decode", interpret=test_util.INTERPRET,
-                   num_splits=1)
+                   num_splits=num_splits)
     kwargs = dict(alibi_slopes=jnp.linspace(0.01, 0.1, 8),
                   sinks=jnp.linspace(-1, 1, 8))
     with mock.patch.object(triton_decode, "decode_call",
@@ -333,7 +346,7 @@ class DecodeTest(parameterized.TestCase):
               q, pages(k) if page_size else k,
               pages(v) if page_size else v, lengths)
     self.assertEqual(calls.call_args.kwargs["block_k"],
-                     decode_backend.ONE_SPLIT_LAUNCH.block_k)
+                     decode_backend.WIDE_TILE_LAUNCH.block_k)
     self._check_results(out, lse, q, k, v, lengths, **kwargs)
 
   def test_gradients_of_a_dense_cache_paged_raises(self):

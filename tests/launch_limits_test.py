@@ -99,12 +99,14 @@ class DecodeLaunchTest(parameterized.TestCase):
     # Packed rows: 1..16 tokens x GQA groups up to 128 query heads per kv
     # head, padded to a power of two >= 16 (decode.kernel_attention).
     # Every launch the backend prefers: DEFAULT_LAUNCH, and first
-    # ONE_SPLIT_LAUNCH where decode_backend.preferred_launches takes it.
-    for head_dim, rows, num_splits in itertools.product(
-        HEAD_DIMS, (16, 32, 64, 128, 256, 512, 1024, 2048), (1, 2)):
+    # WIDE_TILE_LAUNCH where decode_backend.preferred_launches takes it
+    # (one split, long splits; not short ones).
+    for head_dim, rows, (num_splits, kv_seq) in itertools.product(
+        HEAD_DIMS, (16, 32, 64, 128, 256, 512, 1024, 2048),
+        ((1, 512), (2, 512), (2, 1 << 16))):
       preferred = decode_backend.preferred_launches(
-          num_splits=num_splits, rows_padded=rows, head_dim=head_dim,
-          itemsize=itemsize)
+          num_splits=num_splits, kv_seq=kv_seq, rows_padded=rows,
+          head_dim=head_dim, itemsize=itemsize)
       plan = triton_decode.plan_launch(
           rows, head_dim=head_dim, itemsize=itemsize,
           device_kind=device_kind, preferred=preferred)

@@ -46,16 +46,21 @@ DecodeLaunch = triton_decode.DecodeLaunch
 # --sweep patches it); calls it does not fit take a fallback
 # (`triton_decode.plan_launch`).
 DEFAULT_LAUNCH = DecodeLaunch()
-# The preferred launch of calls with one split (many sequences: B x K
-# programs fill the GPU) and a 16-row tile of 16-bit elements at head dim
-# 128, on a dense cache or pages a multiple of its key tile: 128-key tiles,
-# 3 stages (143 KB of shared memory: one program per multiprocessor). On an
-# H100 (bf16, GQA 32/8, lengths S/2..S) 1-4% faster than DEFAULT_LAUNCH at
-# 64-128 sequences of 1024-2048 keys, within 1% at 128 x 1024 and
-# 256 x 512 (RECORD.md, 2026-11-25, issue 23 item 2); not measured on
-# other GPUs. None: DEFAULT_LAUNCH everywhere (benchmarks/decode.py
-# --parts sweep sets it so).
-ONE_SPLIT_LAUNCH = DecodeLaunch(block_k=128, num_warps=4, num_stages=3)
+# The preferred launch of a 16-row tile of 16-bit elements at head dim 128,
+# on a dense cache or pages a multiple of its key tile, where each program
+# streams a long run of keys: one split (many sequences: B x K programs
+# fill the GPU), or splits of at least WIDE_TILE_MIN_KEYS_PER_SPLIT cache
+# entries. 128-key tiles, 3 stages (143 KB of shared memory: one program
+# per multiprocessor). On an H100 (bf16, lengths S/2..S): one split 1-4%
+# faster than DEFAULT_LAUNCH at 64-128 sequences of 1024-2048 keys, within
+# 1% at 128 x 1024 and 256 x 512 (RECORD.md, 2026-11-25, issue 23 item 2);
+# split calls +1-3% at 1-8 sequences of 8k-32k keys and +8% at 16 x 16384
+# (64/8 heads, 3 splits of 5461 keys), but 7% slower with splits of 256
+# keys (RECORD.md, 2026-11-26, "decode split counts against the GPU's
+# waves"); not measured on other GPUs. None: DEFAULT_LAUNCH everywhere
+# (benchmarks/decode.py --parts sweep sets it so).
+WIDE_TILE_LAUNCH = DecodeLaunch(block_k=128, num_warps=4, num_stages=3)
+WIDE_TILE_MIN_KEYS_PER_SPLIT = 1024
 # The launch grid's axis order, fastest first (read when a call is traced).
 GRID_AXES = triton_decode.GRID_AXES
 
@@ -73,19 +78,23 @@ def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
   return max(1, min(-(-slots // programs), tiles // MIN_TILES_PER_SPLIT))
 
 
-def preferred_launches(*, num_splits: int, rows_padded: int, head_dim: int,
-                       itemsize: int, page_size: int | None = None
+def preferred_launches(*, num_splits: int, kv_seq: int, rows_padded: int,
+                       head_dim: int, itemsize: int,
+                       page_size: int | None = None
                        ) -> tuple[DecodeLaunch, ...]:
   """The launches `kernel_attention` asks `plan_launch` for, in order:
-  ONE_SPLIT_LAUNCH first where it was measured faster (see there; a
-  paged cache only with pages a multiple of its key tile, which are read
-  without a gather), then DEFAULT_LAUNCH."""
-  one = ONE_SPLIT_LAUNCH
-  if (one is not None and num_splits == 1
+  WIDE_TILE_LAUNCH first where it was measured faster (see there: one
+  split, or splits of at least WIDE_TILE_MIN_KEYS_PER_SPLIT of the kv_seq
+  cache entries; a paged cache only with pages a multiple of its key tile,
+  which are read without a gather), then DEFAULT_LAUNCH."""
+  wide = WIDE_TILE_LAUNCH
+  long_splits = (num_splits == 1
+                 or kv_seq >= num_splits * WIDE_TILE_MIN_KEYS_PER_SPLIT)
+  if (wide is not None and long_splits
       and rows_padded <= triton_decode.MIN_ROWS and itemsize == 2
       and tiles.head_dim_padded(head_dim) == 128
-      and (page_size is None or page_size % one.block_k == 0)):
-    return (one, DEFAULT_LAUNCH)
+      and (page_size is None or page_size % wide.block_k == 0)):
+    return (wide, DEFAULT_LAUNCH)
   return (DEFAULT_LAUNCH,)
 
 
@@ -164,6 +173,8 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
       itemsize=jnp.dtype(query.dtype).itemsize,
       device_kind=platform.device_kind(), preferred=preferred_launches(
           num_splits=num_splits, rows_padded=rows_padded,
+          kv_seq=(key.shape[1] if block_table is None
+                  else block_table.shape[1] * key.shape[1]),
           head_dim=query.shape[-1], itemsize=jnp.dtype(query.dtype).itemsize,
           page_size=None if block_table is None else key.shape[1]))
   per_row = lambda x: None if x is None else _pack(
