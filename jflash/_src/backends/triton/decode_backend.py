@@ -54,13 +54,16 @@ DEFAULT_LAUNCH = DecodeLaunch()
 # per multiprocessor). On an H100 (bf16, lengths S/2..S): one split 1-4%
 # faster than DEFAULT_LAUNCH at 64-128 sequences of 1024-2048 keys, within
 # 1% at 128 x 1024 and 256 x 512 (RECORD.md, 2026-11-25, issue 23 item 2);
-# split calls +1-3% at 1-8 sequences of 8k-32k keys and +8% at 16 x 16384
-# (64/8 heads, 3 splits of 5461 keys), but 7% slower with splits of 256
-# keys (RECORD.md, 2026-11-26, "decode split counts against the GPU's
-# waves"); not measured on other GPUs. None: DEFAULT_LAUNCH everywhere
-# (benchmarks/decode.py --parts sweep sets it so).
+# split calls +8% at 16 x 16384 (64/8 heads, 3 splits of 5461 keys, two
+# runs), +2% with 2 splits of 4096 keys, within the spread of ~100 us calls
+# (+-4% in two runs) with splits of 1000-2000 keys, 7% slower with splits
+# of 256 keys (RECORD.md, 2026-11-26, "decode split counts against the
+# GPU's waves" and "the wide key tiles on long splits, checked"): taken
+# from 4096 keys per split. Not measured on other GPUs. None:
+# DEFAULT_LAUNCH everywhere (benchmarks/decode.py --parts sweep sets it
+# so).
 WIDE_TILE_LAUNCH = DecodeLaunch(block_k=128, num_warps=4, num_stages=3)
-WIDE_TILE_MIN_KEYS_PER_SPLIT = 1024
+WIDE_TILE_MIN_KEYS_PER_SPLIT = 4096
 # The launch grid's axis order, fastest first (read when a call is traced).
 GRID_AXES = triton_decode.GRID_AXES
 
