@@ -6,9 +6,10 @@ One new token per sequence (T=1, or --tokens), bf16, D=128, caches filled
 to random lengths between S/2 and S. Parts (--parts, default all three):
 
   table: per case and implementation, the median time per call
-    (microseconds) and the K/V bytes of the valid cache entries read per
-    second (TB/s), next to a device-to-device copy's bandwidth measured in
-    the same run; jflash dense and paged (page size 64 and 16).
+    (microseconds; all of a case's implementations timed in interleaved
+    rounds) and the K/V bytes of the valid cache entries read per second
+    (TB/s), next to a device-to-device copy's bandwidth measured in the
+    same run; jflash dense and paged (page size 64 and 16).
   sweep: jflash dense under other launch configurations (key tile, warps,
     stages: `decode_backend.DEFAULT_LAUNCH` patched while a fresh jit traces) and
     half / twice the default split count, each as a ratio to the default.
@@ -31,6 +32,8 @@ to random lengths between S/2 and S. Parts (--parts, default all three):
 
 import argparse
 import json
+import statistics
+import time
 from unittest import mock
 import warnings
 
@@ -71,6 +74,35 @@ def median_seconds(fn, args, repeats=None, iters=None):
   return bench.time_step(fn, args, warmup=2 if REPEATS > 1 else 0,
                          repeats=repeats or REPEATS,
                          iters=iters or ITERS)[1]
+
+
+def interleaved_seconds(calls):
+  """{name: median per-call seconds} of calls {name: (fn, args)}, timed in
+  REPEATS rounds of ITERS back-to-back calls, each round timing every call
+  once in a rotating order (so that a slow spell of the GPU falls on all
+  of them alike; calls of ~100 us moved 10-40% between runs timed one
+  after the other); names that fail map to the error's text."""
+  results, ready = {}, {}
+  for name, (fn, args) in calls.items():
+    try:
+      fn = jax.jit(fn)
+      for _ in range(2 if REPEATS > 1 else 1):
+        jax.block_until_ready(fn(*args))
+      ready[name] = (fn, args)
+    except Exception as e:  # pylint: disable=broad-except
+      results[name] = f"error {type(e).__name__}: {str(e)[:80]}"
+  samples = {name: [] for name in ready}
+  names = list(ready)
+  for r in range(REPEATS):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      fn, args = ready[name]
+      start = time.perf_counter()
+      for _ in range(ITERS):
+        out = fn(*args)
+      jax.block_until_ready(out)
+      samples[name].append((time.perf_counter() - start) / ITERS)
+  results.update({n: statistics.median(t) for n, t in samples.items()})
+  return results
 
 
 def copy_bandwidth() -> float:
@@ -209,17 +241,19 @@ def table(num_tokens, rng):
           lambda q, k, v, lengths, kp, vp, t: jflash.decode_attention(
               q, kp, vp, lengths, block_table=t, implementation="decode"),
           (k_pages, v_pages, block_table))
+    calls = {}
     for name, fn in impls.items():
       fn, extra = fn if isinstance(fn, tuple) else (fn, ())
       if extra:
         fn = lambda q, k, v, lengths, *extra, fn=fn: fn(q, None, None,
                                                          lengths, *extra)
-      try:
-        seconds = median_seconds(jax.jit(fn), (q, k, v, lengths, *extra))
+      calls[name] = (fn, (q, k, v, lengths, *extra))
+    for name, seconds in interleaved_seconds(calls).items():
+      if isinstance(seconds, str):
+        row += f" {name} {seconds};"
+      else:
         row += (f" {name} {seconds * 1e6:.1f} us "
                 f"({kv_bytes / seconds / 1e12:.2f} TB/s);")
-      except Exception as e:  # pylint: disable=broad-except
-        row += f" {name} error {type(e).__name__}: {str(e)[:80]};"
     print(row)
 
 
