@@ -4,7 +4,8 @@ its default and cuDNN, in interleaved rounds (one process, one GPU).
 Usage (repo root, GPU machine):
   PYTHONPATH=. python3 benchmarks/decode_launch_ab.py \\
       --cases 16,16384,64,8 8,8192,32,8 --splits 1 2 3 4 \\
-      --launches 64,4,4 128,4,3 [--rounds 11] [--json F]
+      --launches 64,4,4 128,4,3 [--grids head,batch,split split,head,batch]
+      [--rounds 11] [--json F]
 
 Each case is B,S,N,K (batch, cache length, query heads, kv heads), head dim
 128 (--head-dim), one new token (--tokens), bf16, kv lengths in [S/2, S]
@@ -12,7 +13,9 @@ Each case is B,S,N,K (batch, cache length, query heads, kv heads), head dim
 route), and for every split count x launch (block_k, warps, stages) the
 decode backend's `kernel_attention` traced in its own jit with that split
 count and `DEFAULT_LAUNCH` patched (`WIDE_TILE_LAUNCH` off, so the patched
-launch is the one taken where it fits); cuDNN with the kv lengths. Prints
+launch is the one taken where it fits), and with --grids under each order
+of the launch grid's axes (`GRID_AXES`, fastest first); cuDNN with the kv
+lengths. Prints
 µs per call (median of the rounds) and cuDNN's time over each variant's;
 every variant's output is compared with the default's first.
 """
@@ -46,11 +49,16 @@ def default_route(q, k, v, lengths):
                                 key_value_seq_lengths=lengths)
 
 
-def kernel_with(num_splits: int, launch: tuple[int, int, int]):
-  """The decode kernel's forward with this split count and launch."""
+def kernel_with(num_splits: int, launch: tuple[int, int, int],
+                grid_axes: tuple[str, ...] | None = None):
+  """The decode kernel's forward with this split count, launch and grid
+  order (default: GRID_AXES)."""
 
   def fn(q, k, v, lengths):
     with contextlib.ExitStack() as stack:
+      if grid_axes is not None:
+        stack.enter_context(mock.patch.object(decode_backend, "GRID_AXES",
+                                              grid_axes))
       stack.enter_context(mock.patch.object(
           decode_backend, "DEFAULT_LAUNCH",
           decode_backend.DecodeLaunch(*launch)))
@@ -71,6 +79,10 @@ def main(argv=None) -> int:
   parser.add_argument("--splits", nargs="+", type=int, required=True)
   parser.add_argument("--launches", nargs="+", default=["64,4,4"],
                       metavar="BLOCK_K,WARPS,STAGES")
+  parser.add_argument("--grids", nargs="+", default=[None],
+                      metavar="AXIS,AXIS,AXIS",
+                      help="orders of head, batch, split (default: "
+                      "GRID_AXES only)")
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--tokens", type=int, default=1)
   parser.add_argument("--rounds", type=int, default=11)
@@ -88,8 +100,11 @@ def main(argv=None) -> int:
     impls = {"default": jax.jit(default_route)}
     for n in args.splits:
       for launch in launches:
-        impls[f"s{n}_k{launch[0]}w{launch[1]}s{launch[2]}"] = jax.jit(
-            kernel_with(n, launch))
+        for grid in args.grids:
+          axes = None if grid is None else tuple(grid.split(","))
+          name = f"s{n}_k{launch[0]}w{launch[1]}s{launch[2]}"
+          name += "" if axes is None else "_" + "".join(a[0] for a in axes)
+          impls[name] = jax.jit(kernel_with(n, launch, axes))
     impls["cudnn"] = jax.jit(
         lambda q, k, v, lengths: jax.nn.dot_product_attention(
             q, k, v, key_value_seq_lengths=lengths, implementation="cudnn"))
