@@ -93,8 +93,13 @@ FP8_COMPUTE_DTYPE = jnp.float16
 # rows of many sequences (H of every K x H). On an H100, bf16, one split:
 # 1-2% faster than (split, batch, head) at 128-256 sequences of 512-2048
 # keys, within 1% at 64 x 1024 and on split calls (RECORD.md, 2026-11-25,
-# issue 23 item 2).
-GRID_AXES = ("head", "batch", "split")
+# issue 23 item 2). Then the split before the batch: a sequence's splits
+# run together (one call's programs start at the same offsets of every
+# sequence otherwise). The same launch order for one-split calls; on split
+# calls 0-5% faster than (head, batch, split) on an H100 (8 x 8192-8320
+# GQA 32/8 at 5 splits, 4-16 x 16384 at 3; RECORD.md, 2026-11-26, "grid
+# order on split decode calls").
+GRID_AXES = ("head", "split", "batch")
 
 
 def _grid_index(axes, *index):
