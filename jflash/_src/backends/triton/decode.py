@@ -96,9 +96,11 @@ FP8_COMPUTE_DTYPE = jnp.float16
 # issue 23 item 2). Then the split before the batch: a sequence's splits
 # run together (one call's programs start at the same offsets of every
 # sequence otherwise). The same launch order for one-split calls; on split
-# calls 0-5% faster than (head, batch, split) on an H100 (8 x 8192-8320
-# GQA 32/8 at 5 splits, 4-16 x 16384 at 3; RECORD.md, 2026-11-26, "grid
-# order on split decode calls").
+# calls on an H100 0-5% faster than (head, batch, split) in one run and
+# -1% to +1% in a second, with the dense 8 x 8192 cache of
+# benchmarks/decode.py at 99 us instead of 103-110 (RECORD.md, 2026-11-26,
+# "grid order on split decode calls" and "head, split, batch as the grid
+# order, checked").
 GRID_AXES = ("head", "split", "batch")
 
 
