@@ -32,8 +32,6 @@ to random lengths between S/2 and S. Parts (--parts, default all three):
 
 import argparse
 import json
-import statistics
-import time
 from unittest import mock
 import warnings
 
@@ -41,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import decode_route
 from benchmarks import run as bench
 import jflash
 from jflash._src.backends.triton import decode_backend as decode_lib
@@ -77,32 +76,15 @@ def median_seconds(fn, args, repeats=None, iters=None):
 
 
 def interleaved_seconds(calls):
-  """{name: median per-call seconds} of calls {name: (fn, args)}, timed in
-  REPEATS rounds of ITERS back-to-back calls, each round timing every call
-  once in a rotating order (so that a slow spell of the GPU falls on all
-  of them alike; calls of ~100 us moved 10-40% between runs timed one
-  after the other); names that fail map to the error's text."""
-  results, ready = {}, {}
-  for name, (fn, args) in calls.items():
-    try:
-      fn = jax.jit(fn)
-      for _ in range(2 if REPEATS > 1 else 1):
-        jax.block_until_ready(fn(*args))
-      ready[name] = (fn, args)
-    except Exception as e:  # pylint: disable=broad-except
-      results[name] = f"error {type(e).__name__}: {str(e)[:80]}"
-  samples = {name: [] for name in ready}
-  names = list(ready)
-  for r in range(REPEATS):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      fn, args = ready[name]
-      start = time.perf_counter()
-      for _ in range(ITERS):
-        out = fn(*args)
-      jax.block_until_ready(out)
-      samples[name].append((time.perf_counter() - start) / ITERS)
-  results.update({n: statistics.median(t) for n, t in samples.items()})
-  return results
+  """{name: median per-call seconds} of calls {name: (fn, args)}, jitted,
+  in REPEATS interleaved rounds of ITERS calls (`decode_route.time_calls`:
+  calls of ~100 us moved 10-40% between runs timed one after the other);
+  names that fail map to "error " and the error's text."""
+  results = decode_route.time_calls(
+      {name: (jax.jit(fn), args) for name, (fn, args) in calls.items()},
+      REPEATS, ITERS)
+  return {name: f"error {x}" if isinstance(x, str) else x
+          for name, x in results.items()}
 
 
 def copy_bandwidth() -> float:

@@ -103,21 +103,30 @@ def implementations():
 
 
 def time_interleaved(impls, args, rounds: int, iters: int):
-  """{name: median over rounds of the per-call seconds}; names whose
-  compilation fails map to the error's text."""
+  """{name: median over rounds of the per-call seconds} of every impl on
+  the same args (`time_calls`)."""
+  return time_calls({name: (fn, args) for name, fn in impls.items()},
+                    rounds, iters)
+
+
+def time_calls(calls, rounds: int, iters: int):
+  """{name: median over rounds of the per-call seconds} of calls {name:
+  (fn, args)}, each round timing `iters` back-to-back calls of every one in
+  a rotating order (a slow spell of the GPU falls on all of them alike);
+  names whose first calls fail map to the error's text."""
   results, ready = {}, {}
-  for name, fn in impls.items():
+  for name, (fn, args) in calls.items():
     try:
       jax.block_until_ready(fn(*args))
       jax.block_until_ready(fn(*args))
-      ready[name] = fn
+      ready[name] = fn, args
     except Exception as e:  # pylint: disable=broad-except
       results[name] = f"{type(e).__name__}: {str(e)[:100]}"
   samples = {name: [] for name in ready}
   names = list(ready)
   for r in range(rounds):
     for name in names[r % len(names):] + names[:r % len(names)]:
-      fn = ready[name]
+      fn, args = ready[name]
       start = time.perf_counter()
       for _ in range(iters):
         out = fn(*args)
