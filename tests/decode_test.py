@@ -281,14 +281,17 @@ class DecodeTest(parameterized.TestCase):
                      [0, 16])
 
   def test_split_count_heuristic(self):
-    # No split once B x K programs fill the GPU; else enough to fill it,
-    # at least four key tiles each. (A GPU of 132 multiprocessors.)
+    # No split once B x K programs fill the GPU; else as many as fit one
+    # wave of 2 programs per multiprocessor (264 on a GPU of 132), at least
+    # four key tiles each.
     self.enter_context(mock.patch.object(
         decode_backend.platform, "multiprocessor_count", return_value=132))
     self.assertEqual(decode_backend.default_num_splits(64, 8, 4096, 64), 1)
     self.assertEqual(decode_backend.default_num_splits(1, 8, 32768, 64), 33)
     self.assertEqual(decode_backend.default_num_splits(1, 8, 256, 64), 1)
-    self.assertEqual(decode_backend.default_num_splits(8, 8, 8192, 64), 5)
+    self.assertEqual(decode_backend.default_num_splits(8, 8, 8192, 64), 4)
+    # 4 x 8 = 32 programs: 8 splits (256 programs), not 9 (288).
+    self.assertEqual(decode_backend.default_num_splits(4, 8, 16384, 64), 8)
 
   def test_wide_tile_launch_where_it_was_measured(self):
     # WIDE_TILE_LAUNCH first for a 16-row tile of 16-bit elements at head

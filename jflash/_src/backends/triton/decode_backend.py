@@ -71,14 +71,18 @@ GRID_AXES = triton_decode.GRID_AXES
 def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
                        block_k: int | None = None) -> int:
   """Splits per (sequence, kv head): none when B x K programs already fill
-  the GPU, else enough to fill it, with at least MIN_TILES_PER_SPLIT key
-  tiles each (splits past a sequence's length do no work)."""
+  the GPU, else as many as fit one wave of PROGRAMS_PER_SM programs per
+  multiprocessor (rounded down: a call whose programs overshoot the wave,
+  288-320 of 264 on an H100, ran 4-7% slower than one within it; RECORD.md,
+  2026-11-26, "split counts that overshoot one wave"), with at least
+  MIN_TILES_PER_SPLIT key tiles each (splits past a sequence's length do no
+  work)."""
   slots = PROGRAMS_PER_SM * platform.multiprocessor_count()
   programs = batch * num_kv_heads
   if programs >= 0.8 * slots:
     return 1
   tiles = -(-kv_seq // (block_k or DEFAULT_LAUNCH.block_k))
-  return max(1, min(-(-slots // programs), tiles // MIN_TILES_PER_SPLIT))
+  return max(1, min(slots // programs, tiles // MIN_TILES_PER_SPLIT))
 
 
 def preferred_launches(*, num_splits: int, kv_seq: int, rows_padded: int,
