@@ -81,8 +81,8 @@ def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
   programs = batch * num_kv_heads
   if programs >= 0.8 * slots:
     return 1
-  tiles = -(-kv_seq // (block_k or DEFAULT_LAUNCH.block_k))
-  return max(1, min(slots // programs, tiles // MIN_TILES_PER_SPLIT))
+  key_tiles = -(-kv_seq // (block_k or DEFAULT_LAUNCH.block_k))
+  return max(1, min(slots // programs, key_tiles // MIN_TILES_PER_SPLIT))
 
 
 def preferred_launches(*, num_splits: int, kv_seq: int, rows_padded: int,
