@@ -351,6 +351,40 @@ class DecodeTest(parameterized.TestCase):
     self.assertEqual(calls.call_args.kwargs["block_k"],
                      decode_backend.WIDE_TILE_LAUNCH.block_k)
     self._check_results(out, lse, q, k, v, lengths, **kwargs)
+    if page_size:
+      return  # A paged cache is read in the forward pass only.
+    # A dense cache is differentiable: the default route runs the forward
+    # on the decode kernel (wide tiles, as above) and the backward on
+    # another backend from its out and lse; against the XLA path's.
+    out_cotangent = _inputs(13, batch=3, num_tokens=1, num_heads=8,
+                            num_kv_heads=2, head_dim=128,
+                            dtype="bfloat16")[0]
+    lse_cotangent = jnp.linspace(-1.0, 1.0, 3 * 8).reshape(3, 1, 8)
+
+    def gradients(**call_options):
+      def loss(q, k, v):
+        out, lse = jflash.decode_attention(
+            q, k, v, lengths, return_residual=True,
+            residual_dtype=jnp.float32, **call_options, **kwargs)
+        lse = jnp.where(jnp.isinf(lse), 0.0, lse)
+        return (jnp.sum(out.astype(jnp.float32) * out_cotangent)
+                + jnp.sum(lse * lse_cotangent))
+      return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    # (num_splits names the decode backend, which has no backward: the
+    # route's split count is set instead.)
+    with mock.patch.object(triton_decode, "decode_call",
+                           wraps=triton_decode.decode_call) as calls, \
+        mock.patch.object(decode_backend, "default_num_splits",
+                          return_value=num_splits):
+      grads = gradients(interpret=test_util.INTERPRET)
+    self.assertEqual(
+        (calls.call_args.kwargs["block_k"], calls.call_args.kwargs[
+            "num_splits"]),
+        (decode_backend.WIDE_TILE_LAUNCH.block_k, num_splits))
+    tolerance = tolerances.direct(jnp.bfloat16)
+    chex.assert_trees_all_close(grads, gradients(implementation="xla"),
+                                atol=tolerance, rtol=tolerance)
 
   def test_gradients_of_a_dense_cache_paged_raises(self):
     # decode_attention is flash_attention's call: a dense cache is
