@@ -321,7 +321,8 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
                    scratch: ForwardScratch, *, mask: MaskSpec, scale: float,
                    soft_cap: float | None, block_sizes: MosaicBlockSizes,
                    group: int, q_seq: int, kv_seq: int,
-                   persistent: pipeline.PersistentGrid | None = None):
+                   persistent: pipeline.PersistentGrid | None = None,
+                   prefetch_q: bool = False):
   """The kernel.
 
   Args:
@@ -336,6 +337,9 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
       tiles do not depend on the block, see `forward_call`): each program
       computes its items one after the other, the ring running on across
       them. Else one block per grid point ("q_tiles", "heads", "batch").
+    prefetch_q: persistent kernels with output tiles (`scratch.out`): each
+      consumer issues its next block's Q load under this block's epilogue
+      (`q_prefetch`).
   """
   block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
   stages = block_sizes.num_stages
@@ -582,9 +586,6 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
     if persistent is None:
       consume(block_at(), 0)
     else:
-      prefetch = (q_prefetch(fp8, head_dim) and scratch.out is not None
-                   and q_ids is None)
-
       def run_block(block, base, *next_args):
         # The previous block's output stores must have read the output
         # (without prefetch: Q/O) and lse tiles before they are reused.
@@ -593,7 +594,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
 
       # The ping-pong's offset (see consume) once for all blocks.
       turns.start()
-      over_items(run_block, with_next=prefetch)
+      over_items(run_block, with_next=prefetch_q)
       turns.finish()
     plgpu.wait_smem_to_gmem(0)
 
@@ -753,10 +754,12 @@ def forward_call(operands: Operands, *, spec: CallSpec,
                                              pairs=spec.mask.is_causal)
                 if persistent else None)
   # Persistent kernels prefetch each block's Q during the previous block's
-  # epilogue where the output has tiles of its own (FP8 has them anyway).
-  output_tiles = fp8 or (persistent is not None and Q_PREFETCH
-                         and block_sizes.fits_output_tiles(head_dim,
-                                                           dtype.itemsize))
+  # epilogue where the output has tiles of its own (FP8 has them anyway;
+  # 16-bit calls where shared memory has room).
+  prefetch_q = (persistent is not None and q_prefetch(fp8, head_dim)
+                and (fp8 or block_sizes.fits_output_tiles(head_dim,
+                                                          dtype.itemsize)))
+  output_tiles = fp8 or prefetch_q
   scratch = forward_scratch(
       dtype, head_dim, block_sizes, has_segments=segment_ids is not None,
       out_dtype=out_dtype if output_tiles else None)
@@ -764,7 +767,7 @@ def forward_call(operands: Operands, *, spec: CallSpec,
       forward_kernel, mask=spec.mask, scale=spec.scale,
       soft_cap=spec.logits_soft_cap, block_sizes=block_sizes,
       group=num_heads // num_kv_heads, q_seq=q_seq, kv_seq=kv_seq,
-      persistent=persistent)
+      persistent=persistent, prefetch_q=prefetch_q)
   segments = None
   if segment_ids is not None:
     segments = pipeline.segment_inputs(
