@@ -14,10 +14,10 @@ route), and for every split count x launch (block_k, warps, stages) the
 decode backend's `kernel_attention` traced in its own jit with that split
 count and `DEFAULT_LAUNCH` patched (`WIDE_TILE_LAUNCH` off, so the patched
 launch is the one taken where it fits), and with --grids under each order
-of the launch grid's axes (`GRID_AXES`, fastest first); cuDNN with the kv
-lengths. Prints
-µs per call (median of the rounds) and cuDNN's time over each variant's;
-every variant's output is compared with the default's first.
+of the launch grid's axes (`decode.GRID_AXES`, fastest first); cuDNN with
+the kv lengths. Prints µs per call (median of the rounds) and cuDNN's
+time over each variant's; every variant's output is compared with the
+default's first.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 from benchmarks import decode_route  # noqa: E402
 import jflash  # noqa: E402
+from jflash._src.backends.triton import decode as triton_decode  # noqa: E402
 from jflash._src.backends.triton import decode_backend  # noqa: E402
 from jflash._src.spec import MaskSpec  # noqa: E402
 
@@ -57,7 +58,7 @@ def kernel_with(num_splits: int, launch: tuple[int, int, int],
   def fn(q, k, v, lengths):
     with contextlib.ExitStack() as stack:
       if grid_axes is not None:
-        stack.enter_context(mock.patch.object(decode_backend, "GRID_AXES",
+        stack.enter_context(mock.patch.object(triton_decode, "GRID_AXES",
                                               grid_axes))
       stack.enter_context(mock.patch.object(
           decode_backend, "DEFAULT_LAUNCH",

@@ -225,8 +225,8 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
                   slopes_ref, qk_descale_ref, v_descale_ref, o_ref, lse_ref, *,
                   mask: MaskSpec, scale: float, soft_cap: float | None,
                   block_k: int, head_dim: int, num_tokens: int, group: int,
-                  num_splits: int, num_rows: int, row_offset: int = 0,
-                  grid_axes=GRID_AXES):
+                  num_splits: int, num_rows: int, grid_axes,
+                  row_offset: int = 0):
   split, batch, head = _grid_index(
       grid_axes, *(pl.program_id(axis) for axis in range(3)))
   fp8 = qk_descale_ref is not None
@@ -347,7 +347,7 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
     row_offset: the packed row index of q_packed's first row (a launch
       over a slice of the rows; see `plan_launch`).
     grid_axes: the order of the launch grid's axes, fastest first
-      (default GRID_AXES).
+      (default: GRID_AXES, read when the call is traced).
 
   Returns:
     (out [P, B, K, M, H] in out_dtype, lse2 float32 [P, B, K, M]) per

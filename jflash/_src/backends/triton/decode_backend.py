@@ -64,8 +64,6 @@ DEFAULT_LAUNCH = DecodeLaunch()
 # so).
 WIDE_TILE_LAUNCH = DecodeLaunch(block_k=128, num_warps=4, num_stages=3)
 WIDE_TILE_MIN_KEYS_PER_SPLIT = 4096
-# The launch grid's axis order, fastest first (read when a call is traced).
-GRID_AXES = triton_decode.GRID_AXES
 
 
 def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
@@ -204,7 +202,7 @@ def kernel_attention(query, key, value, lengths, block_table, sinks, slopes,
           num_warps=plan.launch.num_warps,
           num_stages=plan.launch.num_stages,
           out_dtype=out_dtype if final else jnp.float32,
-          interpret=interpret, row_offset=start, grid_axes=GRID_AXES)
+          interpret=interpret, row_offset=start)
       for start in range(0, num_rows, plan.rows)]
   if len(parts) == 1:
     out_parts, lse2_parts = parts[0]
