@@ -84,11 +84,6 @@ MIN_ROWS = 16  # Triton's matrix instructions need tiles of >= 16 rows.
 # (cvt.rn.f16x2.e4m3x2; bfloat16 takes that and two more), and the
 # probabilities P in float16 keep 11 significant bits (bfloat16: 8).
 FP8_COMPUTE_DTYPE = jnp.float16
-# Whether an FP8 call's scores Q K^T multiply the e4m3 tiles as they are
-# (Hopper's tensor cores take e4m3 operands, products exact in float32),
-# instead of converting Q and K to FP8_COMPUTE_DTYPE first. Read when a call
-# is traced. P V converts V either way (P is not FP8).
-FP8_NATIVE_SCORES = False
 
 
 # The launch grid's axes, fastest first: CUDA starts programs in order of
@@ -268,9 +263,7 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
   valid_rows = None if num_rows == rows_padded else num_rows
   q = tiles.load_tile(q_ref, 0, rows_padded, seq_len=valid_rows,
                       head_dim=head_dim)
-  native_scores = fp8 and FP8_NATIVE_SCORES
-  if fp8 and not native_scores:
-    # Exact: FP8_COMPUTE_DTYPE holds every e4m3 value.
+  if fp8:  # Exact: FP8_COMPUTE_DTYPE holds every e4m3 value.
     q = q.astype(FP8_COMPUTE_DTYPE)
   slope2 = None
   if slopes_ref is not None:
@@ -286,9 +279,7 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
     k_start = k_tile_index * block_k
     k, v = load_tile(k_ref, k_start), load_tile(v_ref, k_start)
     if fp8:  # One byte per element read; converted in registers.
-      v = v.astype(FP8_COMPUTE_DTYPE)
-      if not native_scores:
-        k = k.astype(FP8_COMPUTE_DTYPE)
+      k, v = k.astype(FP8_COMPUTE_DTYPE), v.astype(FP8_COMPUTE_DTYPE)
     logits, _ = numerics.logits_base2(tiles.matmul(q, k, trans_b=True),
                                       scale=scale, soft_cap=soft_cap)
     cols = numerics.tile_columns(k_start, block_k)
