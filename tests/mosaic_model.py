@@ -73,7 +73,11 @@ arguments (checked against the launch's programs); each kernel's cut into
 row groups (`_kernel_rows`, checked against the host's `segment_inputs`
 arguments where there are segments); the dK/dV consumers' order of steps
 (heads of the group, then runs: `head_loop`); the column slices of a chunk
-(`backward._columns`); the backward operands' padding (`backward_call`);
+(`backward._columns`), and with the product split at head dim 256
+(`config.backward_splits_products`) which warpgroup stores which gradient
+(it computes them all; that the two warpgroups of a row tile walk the same
+steps, which the hand-over of probabilities needs, it checks); the
+backward operands' padding (`backward_call`);
 the forward's row group being its warpgroup (`row_group_of(wg, 1)`).
 
 What the model cannot see is the GPU code around those decisions (wgmma,

@@ -24,10 +24,28 @@ on its "consumed" barrier.
 
 Warpgroup roles (`config.backward_warpgroup_split`): with head dim <= 128
 the two compute warpgroups own one row tile each (2 * block rows per
-block); with head dim 256 the accumulators ([64, 256] fp32, twice in dK/dV)
-do not fit one warpgroup's registers, so both warpgroups work on the same
-row tile, both compute its S and dP, and each accumulates half of the
-head-dim columns.
+block). With head dim 256 the accumulators ([64, 256] fp32, 128 registers
+a thread; twice in dK/dV) do not fit one warpgroup twice, so both
+warpgroups work on the same row tile, and by default
+(`config.backward_splits_products`) split its products:
+
+- warpgroup 0, the probabilities: S = Q K^T (S^T = K Q^T in dK/dV), p,
+  masked; it hands p (times tanh' with a soft cap, `_score_factor`) to
+  warpgroup 1 through one float32 tile of shared memory (`_hand_over`:
+  barriers probs_ready / probs_free, so it is never overwritten before it
+  is read), and in dK/dV accumulates all of dV += p^T dO.
+- warpgroup 1, the gradients: dP = dO V^T (dP^T = V dO^T), dS = p (dP -
+  delta) with the handed-over p (`_take_over`), and accumulates all of dQ
+  += dS K (dQ kernel) or dK += dS^T Q (dK/dV kernel).
+
+Per 64 x 64 tile pair that is 4 products of 64 x 64 x 256 in dK/dV (2 per
+warpgroup) and 3 in dQ, against 6 and 5 with the column split
+(BWD_SHARED_ROW_SPLIT = "columns": both warpgroups compute the tile's S
+and dP, and each accumulates half of the head-dim columns): 1.35-1.43x
+faster backward on an H100 (RECORD 2026-11-26, "the D=256 backward's
+product split"). Each gradient is accumulated by one warpgroup in a fixed
+order and written over its own K, V or Q tile once the other warpgroup is
+done reading it (barrier `done`): deterministic as before.
 
 Masks come from `masks.py` as in the forward: tiles no row/column of the
 block sees are never loaded; a compute warpgroup steps over the tiles of
@@ -151,7 +169,8 @@ def _for_each_compute_warpgroup(wg, chunks: int, consumer):
   """Runs consumer(row_group, chunk) on the compute warpgroups, in the
   roles `pipeline.row_group_of` and `pipeline.column_chunk_of` give them:
   the row group is traced, the column chunk static (it slices shared
-  memory)."""
+  memory; with the product split it is the warpgroup's role, 0 the
+  probabilities, 1 the gradients)."""
   if chunks == 1:
     pl.when(wg < COMPUTE_WARPGROUPS)(functools.partial(
         consumer, pipeline.row_group_of(wg, chunks),
@@ -444,8 +463,10 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
     plgpu.wait_smem_to_gmem(0)
 
   if split_products:
-    pl.when(block.warpgroup == 0)(probabilities)
-    pl.when(block.warpgroup == 1)(gradients)
+    assert row_groups == 1, row_groups
+    _for_each_compute_warpgroup(
+        block.warpgroup, chunks,
+        lambda _, role: (probabilities, gradients)[role]())
   else:
     _for_each_compute_warpgroup(block.warpgroup, chunks, consumer)
 
@@ -844,9 +865,10 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     store_gradient(k_smem.at[0], split_walk(step, zeros) * scale, dk_ref)
 
   if split_products:
-    assert refs.dq_sum is None and row_groups == 1, (row_groups,)
-    pl.when(block.warpgroup == 0)(probabilities)
-    pl.when(block.warpgroup == 1)(gradients)
+    assert refs.dq_sum is None and row_groups == 1, row_groups
+    _for_each_compute_warpgroup(
+        block.warpgroup, chunks,
+        lambda _, role: (probabilities, gradients)[role]())
   else:
     _for_each_compute_warpgroup(block.warpgroup, chunks, consumer)
 
