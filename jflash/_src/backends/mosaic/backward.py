@@ -437,11 +437,12 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
 
       def score_gradients(acc_ref):
         plgpu.wgmma(acc_ref, do_tile, scratch.v.at[slot].T)
-        return acc_ref[...]
+        factor = _take_over(scratch)  # While the product runs.
+        return acc_ref[...], factor
 
-      dp = pl.run_scoped(score_gradients,
-                         plgpu.ACC(tile_shape, jnp.float32))
-      ds = (_take_over(scratch) * (dp - delta)).astype(dtype)
+      dp, factor = pl.run_scoped(score_gradients,
+                                 plgpu.ACC(tile_shape, jnp.float32))
+      ds = (factor * (dp - delta)).astype(dtype)
 
       def accumulate(acc_ref):
         plgpu.wgmma(acc_ref, ds, scratch.k.at[slot])
@@ -812,12 +813,13 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
                                            key_ids, block.kv_len,
                                            block.offset, *segment_tiles(slot))
         probs = jnp.where(seen, probs, 0.0)
-      _hand_over(scratch, _score_factor(probs, capped))
+      factor = _score_factor(probs, capped)
       probs = probs.astype(dtype)
       plgpu.barrier_wait(scratch.do_ready.at[slot])
 
       def values(acc_ref):
         plgpu.wgmma(acc_ref, probs, scratch.do.at[slot])
+        _hand_over(scratch, factor)  # While the product runs.
 
       dv = pl.run_state(values)(plgpu.ACC.init(dv))
       plgpu.barrier_arrive(scratch.consumed.at[slot])
@@ -845,13 +847,14 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
 
       def score_gradients(acc_ref):
         plgpu.wgmma(acc_ref, v_tile, scratch.do.at[slot].T)
-        return acc_ref[...]
+        factor = _take_over(scratch)  # While the product runs.
+        return acc_ref[...], factor
 
-      dp_t = pl.run_scoped(score_gradients,
-                           plgpu.ACC(tile_shape, jnp.float32))
+      dp_t, factor = pl.run_scoped(score_gradients,
+                                   plgpu.ACC(tile_shape, jnp.float32))
       delta = plgpu.load(scratch.delta.at[slot], layout=column_layout)
       delta = lax.broadcast_in_dim(delta, tile_shape, [1])
-      ds_t = (_take_over(scratch) * (dp_t - delta)).astype(dtype)
+      ds_t = (factor * (dp_t - delta)).astype(dtype)
 
       def keys(acc_ref):
         plgpu.wgmma(acc_ref, ds_t, scratch.q.at[slot])
