@@ -208,5 +208,52 @@ class MosaicPersistentAtSizeTest(parameterized.TestCase):
     chex.assert_trees_all_close(outputs[1][0], expected, atol=tolerance,
                                 rtol=tolerance)
 
+
+class MosaicHeadDim256BackwardTest(parameterized.TestCase):
+  """The Mosaic backward at head dim 256, whose two compute warpgroups
+  share each row tile (`config.backward_splits_products`: one hands the
+  probabilities to the other; the column split as the option), over
+  several tiles with each mask the kernels take, against the XLA path, and
+  bitwise the same on a second run. Hopper only."""
+
+  def setUp(self):
+    super().setUp()
+    test_util.skip_unless_mosaic_gpu(self)
+
+  @parameterized.product(
+      case=("causal_gqa", "lengths_soft_cap", "segments_sinks",
+            "bottom_right_window_lengths"),
+      split=("products", "columns"))
+  def test_gradients(self, case, split):
+    batch, q_len, kv_len = 2, 300, 430
+    q, k, v, dout = test_util.random_inputs(
+        len(case), batch=batch, q_len=q_len, kv_len=kv_len, num_heads=4,
+        num_kv_heads=2, head_dim=256, dtype="bfloat16")
+    lengths = dict(query_seq_lengths=jnp.array([300, 129], jnp.int32),
+                   key_value_seq_lengths=jnp.array([77, 430], jnp.int32))
+    ids = lambda n, edge: jnp.stack(
+        [(jnp.arange(n) >= edge).astype(jnp.int32)] * batch)
+    kwargs = {
+        "causal_gqa": dict(is_causal=True),
+        "lengths_soft_cap": dict(logits_soft_cap=20.0, **lengths),
+        "segments_sinks": dict(
+            is_causal=True, q_segment_ids=ids(q_len, 130),
+            kv_segment_ids=ids(kv_len, 130),
+            sinks=jnp.linspace(-1.0, 1.0, 4)),
+        "bottom_right_window_lengths": dict(
+            is_causal=True, causal_alignment="bottom_right",
+            local_window_size=(150, 20), **lengths),
+    }[case]
+    fn = functools.partial(jflash.flash_attention, implementation="mosaic",
+                           **kwargs)
+    with mock.patch.object(mosaic_config, "BWD_SHARED_ROW_SPLIT", split):
+      step = jax.jit(functools.partial(test_util.value_and_grads, fn))
+      results = jax.block_until_ready(step(q, k, v, dout))
+      again = jax.block_until_ready(step(q, k, v, dout))
+    chex.assert_trees_all_equal(results, again)
+    test_util.assert_close_to_reference(self, results, q, k, v, dout,
+                                        **kwargs)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -10,6 +10,7 @@ against the bytes Triton requests on an H100
 """
 
 import itertools
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -229,6 +230,21 @@ class TrainingLaunchTest(parameterized.TestCase):
                            mosaic_config.SMEM_BUDGET_BYTES)
       self.assertLessEqual(sizes.backward_smem_bytes(head_dim, 2),
                            mosaic_config.SMEM_BUDGET_BYTES)
+
+  def test_mosaic_d256_backward_counts_the_hand_over(self):
+    # The product split at head dim 256 (config.backward_splits_products)
+    # hands a float32 [block_q, block_kv] tile of probabilities between the
+    # warpgroups of each backward kernel: the model counts it, and the
+    # default tiles still fit (lowered for CUDA, the dK/dV kernel with
+    # segments asked 217176 bytes, 2026-11-26).
+    sizes = mosaic_config.default_block_sizes(256, 2)
+    with mock.patch.object(mosaic_config, "BWD_SHARED_ROW_SPLIT",
+                           "columns"):
+      columns = sizes.backward_smem_bytes(256, 2)
+    products = sizes.backward_smem_bytes(256, 2)
+    self.assertEqual(products - columns,
+                     sizes.block_kv_dkv * sizes.block_q_dkv * 4)
+    self.assertLessEqual(products, mosaic_config.SMEM_BUDGET_BYTES)
 
   def test_mosaic_output_tiles_only_where_they_fit(self):
     # The persistent forward adds output tiles (its Q prefetch) where

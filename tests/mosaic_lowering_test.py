@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jflash._src.backends.mosaic import backend as mosaic_backend
+from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.mosaic import forward as mosaic_forward
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.spec import CallSpec
@@ -41,6 +42,12 @@ CASES = (
      dict(is_causal=True, bottom_right=True, window=(100, 0)), 20.0),
     ("two_sided_window_sinks", (2, 256, 256, 2, 2, 64), "bfloat16",
      dict(window=(64, 30)), None),
+    # Head dim 256: the backward's product split (config.
+    # backward_splits_products), with and without a mask and a cap.
+    ("d256_mqa_sinks", (1, 192, 256, 4, 1, 256), "bfloat16", {}, None),
+    ("d256_bottom_right_window_soft_cap", (2, 200, 330, 4, 2, 256),
+     "float16", dict(is_causal=True, bottom_right=True, window=(100, 20)),
+     30.0),
 )
 
 
@@ -58,6 +65,15 @@ class MosaicLoweringTest(parameterized.TestCase):
   def test_both_passes_lower_for_cuda(self, name, shape, dtype,
                                       mask_options, soft_cap):
     self._check_lowering(name, shape, dtype, mask_options, soft_cap)
+
+  def test_d256_column_split_lowers_for_cuda(self):
+    # config.BWD_SHARED_ROW_SPLIT = "columns" (the option), with segments
+    # and a soft cap.
+    with mock.patch.object(mosaic_config, "BWD_SHARED_ROW_SPLIT",
+                           "columns"):
+      self._check_lowering(
+          "d256_columns", (2, 128, 200, 4, 2, 256), "bfloat16",
+          dict(is_causal=True, has_segments=True), 20.0)
 
   def test_other_tiles_lower_for_cuda(self):
     # Deeper forward ring, wider backward ring tiles.

@@ -27,6 +27,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from tests import mosaic_model as model
@@ -58,8 +59,9 @@ CASES = (
      model.make_case(2, 190, 270, 2, 2, 128, is_causal=True,
                      bottom_right=True, window=(40, 10), soft_cap=30.0,
                      sinks=True, lengths=((150, 190), (270, 100)))),
-    # D=256: the backward's two warpgroups share one row tile, each
-    # accumulating half of the columns.
+    # D=256: the backward's two warpgroups share one row tile, one
+    # computing the probabilities (and dV), the other taking them over
+    # (dK, dQ); `test_d256_column_split` runs the column split.
     ("d256_gqa_causal_lengths",
      model.make_case(2, 140, 200, 4, 1, 256, is_causal=True,
                      lengths=((140, 77), (200, 150)))),
@@ -105,7 +107,7 @@ CASES = (
                    (model.id_runs((1, 128), (3, 100), (5, 102)),
                     model.id_runs((2, 130), (0, 200)))))),
     # D=256 (forward 64x64 tiles; the backward's warpgroups share each
-    # row group, one column chunk each), bottom-right with lengths (offset
+    # row group, splitting its products), bottom-right with lengths (offset
     # 110, then 90), a window and sinks: batch 1's query segment 9 has no
     # key (rows 90-99: only their sink).
     ("d256_segments_bottom_right_window_sinks_lengths",
@@ -133,6 +135,20 @@ class MosaicMaskingTest(parameterized.TestCase):
   def test_model_matches_reference(self, case):
     inputs, expected = _inputs_and_expected(case)
     model.assert_close(model.run_model(case, *inputs), expected)
+
+  def test_d256_column_split(self):
+    # config.BWD_SHARED_ROW_SPLIT = "columns" (an option): each warpgroup
+    # of the shared row tile computes its probabilities and accumulates
+    # half of the head-dim columns.
+    case = dict(CASES)["d256_gqa_causal_lengths"]
+    inputs, expected = _inputs_and_expected(case)
+    model.clear_host_caches()
+    try:
+      with mock.patch.object(mosaic_config, "BWD_SHARED_ROW_SPLIT",
+                             "columns"):
+        model.assert_close(model.run_model(case, *inputs), expected)
+    finally:
+      model.clear_host_caches()
 
   def assert_reference_matches_jax_nn(self, case: model.Case, **options):
     """The reference against jax.nn.dot_product_attention(**options), on

@@ -73,7 +73,11 @@ arguments (checked against the launch's programs); each kernel's cut into
 row groups (`_kernel_rows`, checked against the host's `segment_inputs`
 arguments where there are segments); the dK/dV consumers' order of steps
 (heads of the group, then runs: `head_loop`); the column slices of a chunk
-(`backward._columns`); the backward operands' padding (`backward_call`);
+(`backward._columns`), and with the product split at head dim 256
+(`config.backward_splits_products`) which warpgroup stores which gradient
+(it computes them all; that the two warpgroups of a row tile walk the same
+steps, which the hand-over of probabilities needs, it checks); the
+backward operands' padding (`backward_call`);
 the forward's row group being its warpgroup (`row_group_of(wg, 1)`).
 
 What the model cannot see is the GPU code around those decisions (wgmma,
@@ -101,6 +105,7 @@ from jflash._src import numerics
 from jflash._src.backends.mosaic import backend as mosaic_backend
 from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
+from jflash._src.backends.mosaic.config import backward_splits_products
 from jflash._src.backends.mosaic.config import backward_warpgroup_split
 from jflash._src.backends.mosaic.forward import COMPUTE_WARPGROUPS
 from jflash._src.spec import CallSpec
@@ -900,12 +905,14 @@ def _model_dq(case: Case, sizes, launch: Launch, decisions, kinds, segments,
   dq = np.full(launch.out_shapes[0], np.nan)
   tile_rows = np.arange(block_q)
   seen_of = _key_tile_masks(spec.mask, block_q, block_kv, segments)
+  shared_walks = {}
   valid_lse = jaxpr_numpy.jit(pipeline.valid_lse)
   for point in _grid_points(launch):
     d = _at(decisions, point)
     b, h, kh, q_start = d["batch"], d["head"], d["kv_head"], d["q_start"]
-    chunk = _columns(spec, d["chunk"])
+    chunk = _columns(spec, d["chunk"], "dq")
     _check_walk(point, d["runs"], d["steps_lo"], d["steps_hi"])
+    _check_shared_walk(spec, shared_walks, point, d, "q_start")
     _id_loads(segments, b, q_start, block_q,
               _streamed_starts(d["steps_lo"], d["steps_hi"], block_kv),
               block_kv)
@@ -915,7 +922,7 @@ def _model_dq(case: Case, sizes, launch: Launch, decisions, kinds, segments,
     lse = valid_lse(_load_stats(lse2, b, h, q_start, block_q), row_ids,
                     d["q_len"])
     row_delta = _load_stats(delta, b, h, q_start, block_q)
-    acc = np.zeros((block_q, chunk.stop - chunk.start))
+    acc = np.zeros((block_q, spec.head_dim))
     for step, kind, k_tile, v_tile in _computed_key_tiles(
         d["runs"], kinds, k[b, :, kh], v[b, :, kh], block_kv):
       logits, tanh = _logits2(case, _dot(q_tile, k_tile.T))
@@ -924,8 +931,9 @@ def _model_dq(case: Case, sizes, launch: Launch, decisions, kinds, segments,
         probs = np.where(
             seen_of(b, q_start, step, d["kv_len"], d["offset"]), probs, 0.0)
       ds = _dlogits2(probs, _dot(do_tile, v_tile.T) - row_delta[:, None], tanh)
-      acc += _dot(ds, k_tile[:, chunk])
-    _store_rows(dq[b, :, h, chunk], q_start, acc * spec.scale)
+      acc += _dot(ds, k_tile)
+    if chunk is not None:
+      _store_rows(dq[b, :, h, chunk], q_start, acc[:, chunk] * spec.scale)
   return dq[:, :spec.q_len]
 
 
@@ -938,6 +946,7 @@ def _model_dkv(case: Case, sizes, launch: Launch, decisions, kinds,
       case, launch, q, dout, k, v, lse2, delta)
   dk = np.full(launch.out_shapes[0], np.nan)
   dv = np.full(launch.out_shapes[1], np.nan)
+  shared_walks = {}
   query_offsets = np.arange(block_q)
   shape = (block_kv, block_q)
   valid_lse = jaxpr_numpy.jit(pipeline.valid_lse)
@@ -967,13 +976,15 @@ def _model_dkv(case: Case, sizes, launch: Launch, decisions, kinds,
   for point in _grid_points(launch):
     d = _at(decisions, point)
     b, kh, k_start = d["batch"], d["kv_head"], d["k_start"]
-    chunk = _columns(spec, d["chunk"])
+    dk_columns = _columns(spec, d["chunk"], "dk")
+    dv_columns = _columns(spec, d["chunk"], "dv")
+    _check_shared_walk(spec, shared_walks, point, d, "k_start")
     loaded_heads, loaded_starts, loaded_slots = d["loads"]
     _id_loads(segments, b, k_start, block_kv,
               loaded_starts[:d["num_steps"]], block_q)
     k_tile = _load_rows(k[b, :, kh], k_start, block_kv)
     v_tile = _load_rows(v[b, :, kh], k_start, block_kv)
-    dk_acc = np.zeros((block_kv, chunk.stop - chunk.start))
+    dk_acc = np.zeros((block_kv, spec.head_dim))
     dv_acc = np.zeros_like(dk_acc)
     step = 0  # The producer's step this consumer reads next.
     for head_step in range(spec.group):
@@ -1009,25 +1020,48 @@ def _model_dkv(case: Case, sizes, launch: Launch, decisions, kinds,
                                                                   None)
             probs = np.where(seen_of(*ids_at, q_start, k_start,
                                      d["kv_len"], d["offset"]), probs, 0.0)
-          dv_acc += _dot(probs, do_tile[:, chunk])
+          dv_acc += _dot(probs, do_tile)
           row_delta = _load_stats(delta, b, head, rows_start, block_q)
           ds = _dlogits2(probs, _dot(v_tile, do_tile.T) - row_delta[None, :],
                          tanh)
-          dk_acc += _dot(ds, q_tile[:, chunk])
+          dk_acc += _dot(ds, q_tile)
     _check(step == d["num_steps"],
            f"consumer {point} reads {step} of the producer's "
            f"{d['num_steps']} steps")
-    _store_rows(dk[b, :, kh, chunk], k_start, dk_acc * spec.scale)
-    _store_rows(dv[b, :, kh, chunk], k_start, dv_acc)
+    if dk_columns is not None:
+      _store_rows(dk[b, :, kh, dk_columns], k_start,
+                  dk_acc[:, dk_columns] * spec.scale)
+    if dv_columns is not None:
+      _store_rows(dv[b, :, kh, dv_columns], k_start, dv_acc[:, dv_columns])
   return dk[:, :spec.kv_len], dv[:, :spec.kv_len]
 
 
-def _columns(spec: CallSpec, chunk: int) -> slice:
-  """The head_dim columns a backward warpgroup of column chunk `chunk`
-  accumulates."""
+def _columns(spec: CallSpec, chunk: int, output: str) -> slice | None:
+  """The head_dim columns of `output` ("dq", "dk" or "dv") that a backward
+  warpgroup of column chunk `chunk` accumulates and stores, or None. A
+  column split: its chunk's columns of each; a product split
+  (`config.backward_splits_products`): chunk 0 (the probabilities) all of
+  dV, chunk 1 (the gradients) all of dQ and dK."""
   _, chunks = backward_warpgroup_split(spec.head_dim)
+  if backward_splits_products(spec.head_dim):
+    owner = 0 if output == "dv" else 1
+    return slice(0, spec.head_dim) if chunk == owner else None
   width = spec.head_dim // chunks
   return slice(chunk * width, (chunk + 1) * width)
+
+
+def _check_shared_walk(spec: CallSpec, walks: dict, point, d, start: str):
+  """With a product split the gradients warpgroup takes over the
+  probabilities of its row tile's other warpgroup step by step: both must
+  walk the same rows and runs (their steps, and the kinds, which `kinds`
+  shares)."""
+  if not backward_splits_products(spec.head_dim):
+    return
+  walk = (d[start], tuple(map(tuple, d["runs"])))
+  first = walks.setdefault(point[:-1], walk)
+  _check(walk == first,
+         f"consumer {point} walks {walk}, its row tile's other warpgroup "
+         f"{first}: the hand-over of probabilities would go out of step")
 
 
 def _padded_backward_inputs(case: Case, launch: Launch, q, dout, k, v, lse2,

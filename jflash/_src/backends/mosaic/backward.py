@@ -24,10 +24,28 @@ on its "consumed" barrier.
 
 Warpgroup roles (`config.backward_warpgroup_split`): with head dim <= 128
 the two compute warpgroups own one row tile each (2 * block rows per
-block); with head dim 256 the accumulators ([64, 256] fp32, twice in dK/dV)
-do not fit one warpgroup's registers, so both warpgroups work on the same
-row tile, both compute its S and dP, and each accumulates half of the
-head-dim columns.
+block). With head dim 256 the accumulators ([64, 256] fp32, 128 registers
+a thread; twice in dK/dV) do not fit one warpgroup twice, so both
+warpgroups work on the same row tile, and by default
+(`config.backward_splits_products`) split its products:
+
+- warpgroup 0, the probabilities: S = Q K^T (S^T = K Q^T in dK/dV), p,
+  masked; it hands p (times tanh' with a soft cap, `_score_factor`) to
+  warpgroup 1 through one float32 tile of shared memory (`_hand_over`:
+  barriers probs_ready / probs_free, so it is never overwritten before it
+  is read), and in dK/dV accumulates all of dV += p^T dO.
+- warpgroup 1, the gradients: dP = dO V^T (dP^T = V dO^T), dS = p (dP -
+  delta) with the handed-over p (`_take_over`), and accumulates all of dQ
+  += dS K (dQ kernel) or dK += dS^T Q (dK/dV kernel).
+
+Per 64 x 64 tile pair that is 4 products of 64 x 64 x 256 in dK/dV (2 per
+warpgroup) and 3 in dQ, against 6 and 5 with the column split
+(BWD_SHARED_ROW_SPLIT = "columns": both warpgroups compute the tile's S
+and dP, and each accumulates half of the head-dim columns): 1.35-1.43x
+faster backward on an H100 (RECORD 2026-11-26, "the D=256 backward's
+product split"). Each gradient is accumulated by one warpgroup in a fixed
+order and written over its own K, V or Q tile once the other warpgroup is
+done reading it (barrier `done`): deterministic as before.
 
 Masks come from `masks.py` as in the forward: tiles no row/column of the
 block sees are never loaded; a compute warpgroup steps over the tiles of
@@ -57,6 +75,7 @@ from jflash._src import sharding
 from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import BWD_COMPUTE_WARPGROUPS
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
+from jflash._src.backends.mosaic.config import backward_splits_products
 from jflash._src.backends.mosaic.config import backward_warpgroup_split
 from jflash._src.backends.mosaic.forward import COMPUTE_REGISTERS
 from jflash._src.backends.mosaic.forward import PRODUCER_REGISTERS
@@ -116,11 +135,42 @@ def _score_gradient(probs, capped, dprobs, delta_bcast):
   return ds
 
 
+def _score_factor(probs, capped):
+  """What the gradients warpgroup of a product split multiplies (dP -
+  delta) by to form dS: p, times tanh' with a cap (`_score_gradient` with
+  the cap's factor taken first, so that one float32 tile carries both)."""
+  if capped is None:
+    return probs
+  return probs * (1.0 - capped * capped)
+
+
+def _hand_over(scratch, factor):
+  """The probabilities warpgroup of a product split: writes this step's
+  `_score_factor` tile into the shared buffer once the gradients
+  warpgroup has read the previous one, and signals it. Plain shared-memory
+  stores and loads on both sides (no wgmma or TMA reads the buffer): the
+  barriers' release and acquire order them."""
+  plgpu.barrier_wait(scratch.probs_free)
+  scratch.probs[...] = factor
+  plgpu.barrier_arrive(scratch.probs_ready)
+
+
+def _take_over(scratch):
+  """The gradients warpgroup of a product split: this step's
+  `_score_factor` tile (`_hand_over`), in WGMMA layout; frees the
+  buffer."""
+  plgpu.barrier_wait(scratch.probs_ready)
+  factor = scratch.probs[...]
+  plgpu.barrier_arrive(scratch.probs_free)
+  return factor
+
+
 def _for_each_compute_warpgroup(wg, chunks: int, consumer):
   """Runs consumer(row_group, chunk) on the compute warpgroups, in the
   roles `pipeline.row_group_of` and `pipeline.column_chunk_of` give them:
   the row group is traced, the column chunk static (it slices shared
-  memory)."""
+  memory; with the product split it is the warpgroup's role, 0 the
+  probabilities, 1 the gradients)."""
   if chunks == 1:
     pl.when(wg < COMPUTE_WARPGROUPS)(functools.partial(
         consumer, pipeline.row_group_of(wg, chunks),
@@ -160,7 +210,13 @@ class DqScratch:
     k_ready, v_ready: per slot: its K tile (and ids), its V tile loaded.
     consumed: per slot: every compute warpgroup is done with it.
     done: the compute warpgroups are done reading Q and dO (column chunks:
-      before the staging that aliases them is written).
+      before the staging that aliases them is written; product split:
+      before dQ is written over Q).
+    probs: with the product split, float32 [block_q, block_kv]: the
+      probabilities warpgroup's `_score_factor` tile, handed to the
+      gradients warpgroup; else None.
+    probs_ready, probs_free: with the product split, the hand-over's
+      barriers (`_hand_over`, `_take_over`); else None.
   """
 
   rows: Any
@@ -176,12 +232,16 @@ class DqScratch:
   v_ready: Any
   consumed: Any
   done: Any
+  probs: Any = None
+  probs_ready: Any = None
+  probs_free: Any = None
 
 
 def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
               mask: MaskSpec, scale: float, soft_cap: float | None,
               block_q: int, block_kv: int, stages: int, row_groups: int,
-              chunks: int, group: int, q_seq: int, kv_seq: int):
+              chunks: int, group: int, q_seq: int, kv_seq: int,
+              split_products: bool = False):
   """The dQ kernel.
 
   Args:
@@ -189,8 +249,11 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
       where the call has them.
     dq_ref: the output, like q.
     scratch: the block's shared memory and barriers.
+    split_products: the two warpgroups of the (single) row group split its
+      products (`config.backward_splits_products`), not its columns.
   """
-  (q_smem, do_smem), stage = _unpack_rows(scratch.rows, chunks)
+  (q_smem, do_smem), stage = _unpack_rows(scratch.rows,
+                                          1 if split_products else chunks)
   head_dim = refs.q.shape[3]
   width = head_dim // chunks
   dtype = refs.q.dtype
@@ -294,7 +357,119 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
                             pl.ds(chunk * width, width)])
     plgpu.wait_smem_to_gmem(0)
 
-  _for_each_compute_warpgroup(block.warpgroup, chunks, consumer)
+  # The product split: one row group, warpgroup 0 computes the probabilities
+  # and hands them over, warpgroup 1 computes dP, dS and all of dQ.
+  tile_shape = (block_q, block_kv)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+  def split_runs():
+    """The runs of the row group's key tiles (both warpgroups walk them)."""
+    own = pipeline.key_tiles(mask, block, block.start, block_q, block_kv,
+                             _ranges(segments, "group_ranges"))
+    return pipeline.consumer_runs(own, block.steps_lo, block.steps_hi)
+
+  def probabilities():
+    """Warpgroup 0: per key tile S = Q K^T, P (masked), handed over."""
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    q_start, q_tile = block.start, q_smem.at[0]
+    plgpu.barrier_wait(scratch.q_ready.at[0])
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_ids = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0,
+                                               layout=row_layout)
+    lse = plgpu.load(scratch.lse.at[0], layout=row_layout)
+    lse = pipeline.valid_lse(lse, row_ids, block.q_len)
+    rows = q_start + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0,
+                                            layout=wgmma_layout)
+    columns = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
+                                     layout=wgmma_layout)
+    row_segments = (None if q_ids is None
+                    else pipeline.ids_vector(q_ids[1].at[0], 0))
+    segment_tiles = functools.partial(
+        pipeline.key_tile_segment_ids, row_segments,
+        None if kv_ids is None else kv_ids[1], tile_shape=tile_shape)
+
+    def step(kv_step, carry, *, kind: str):
+      slot = slot_of(kv_step)
+      plgpu.barrier_wait(scratch.k_ready.at[slot])
+      if kind == "skip":
+        plgpu.barrier_arrive(scratch.consumed.at[slot])
+        return carry
+
+      def scores(acc_ref):
+        plgpu.wgmma(acc_ref, q_tile, scratch.k.at[slot].T)
+        return acc_ref[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
+      logits, capped = numerics.logits_base2(s, scale=scale,
+                                             soft_cap=soft_cap)
+      probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [0]))
+      if kind == "masked":
+        seen = pipeline.key_tile_visible(mask, rows, columns, kv_step,
+                                         block_kv, block.kv_len,
+                                         block.offset, *segment_tiles(slot))
+        probs = jnp.where(seen, probs, 0.0)
+      _hand_over(scratch, _score_factor(probs, capped))
+      plgpu.barrier_arrive(scratch.consumed.at[slot])
+      return carry
+
+    for lo, hi, kind in split_runs():
+      lax.fori_loop(lo, hi, functools.partial(step, kind=kind), ())
+    # Done reading Q: warpgroup 1 writes dQ over it.
+    plgpu.barrier_arrive(scratch.done)
+
+  def gradients():
+    """Warpgroup 1: per key tile dP = dO V^T, dS from the handed-over
+    probabilities, dQ += dS K."""
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    q_tile, do_tile = q_smem.at[0], do_smem.at[0]
+    plgpu.barrier_wait(scratch.do_ready.at[0])
+    delta = lax.broadcast_in_dim(
+        plgpu.load(scratch.delta.at[0], layout=row_layout), tile_shape, [0])
+    plgpu.barrier_arrive(scratch.probs_free)  # The buffer starts free.
+
+    def step(kv_step, dq, *, kind: str):
+      slot = slot_of(kv_step)
+      plgpu.barrier_wait(scratch.k_ready.at[slot])
+      plgpu.barrier_wait(scratch.v_ready.at[slot])
+      if kind == "skip":
+        plgpu.barrier_arrive(scratch.consumed.at[slot])
+        return dq
+
+      def score_gradients(acc_ref):
+        plgpu.wgmma(acc_ref, do_tile, scratch.v.at[slot].T)
+        factor = _take_over(scratch)  # While the product runs.
+        return acc_ref[...], factor
+
+      dp, factor = pl.run_scoped(score_gradients,
+                                 plgpu.ACC(tile_shape, jnp.float32))
+      ds = (factor * (dp - delta)).astype(dtype)
+
+      def accumulate(acc_ref):
+        plgpu.wgmma(acc_ref, ds, scratch.k.at[slot])
+
+      dq = pl.run_state(accumulate)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(scratch.consumed.at[slot])
+      return dq
+
+    dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+                           plgpu.Layout.WGMMA)
+    for lo, hi, kind in split_runs():
+      dq = lax.fori_loop(lo, hi, functools.partial(step, kind=kind), dq)
+    plgpu.barrier_arrive(scratch.done)
+    plgpu.barrier_wait(scratch.done)
+    q_tile[...] = (dq * scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+        q_tile, dq_ref.at[batch, pl.ds(block.start, block_q), head])
+    plgpu.wait_smem_to_gmem(0)
+
+  if split_products:
+    assert row_groups == 1, row_groups
+    _for_each_compute_warpgroup(
+        block.warpgroup, chunks,
+        lambda _, role: (probabilities, gradients)[role]())
+  else:
+    _for_each_compute_warpgroup(block.warpgroup, chunks, consumer)
 
   @pl.when(block.warpgroup == PRODUCER)
   def _producer():
@@ -344,7 +519,13 @@ class DkvScratch:
     do_ready: per slot: its dO and delta loaded.
     consumed: per slot: every compute warpgroup is done with it.
     done: the compute warpgroups are done reading K and V (column chunks:
-      before the staging that aliases them is written).
+      before the staging that aliases them is written; product split:
+      before dK and dV are written over K and V).
+    probs: with the product split, float32 [block_kv, block_q]: the
+      probabilities warpgroup's transposed `_score_factor` tile, handed to
+      the gradients warpgroup; else None.
+    probs_ready, probs_free: with the product split, the hand-over's
+      barriers (`_hand_over`, `_take_over`); else None.
   """
 
   rows: Any
@@ -361,13 +542,16 @@ class DkvScratch:
   do_ready: Any
   consumed: Any
   done: Any
+  probs: Any = None
+  probs_ready: Any = None
+  probs_free: Any = None
 
 
 def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
                scratch: DkvScratch, *, mask: MaskSpec, scale: float,
                soft_cap: float | None, block_q: int, block_kv: int,
                stages: int, row_groups: int, chunks: int, group: int,
-               q_seq: int, kv_seq: int):
+               q_seq: int, kv_seq: int, split_products: bool = False):
   """The dK/dV kernel.
 
   Args:
@@ -377,8 +561,11 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       into it.
     dk_ref, dv_ref: the outputs, like k.
     scratch: the block's shared memory and barriers.
+    split_products: the two warpgroups of the (single) row group split its
+      products (`config.backward_splits_products`), not its columns.
   """
-  (k_smem, v_smem), stage = _unpack_rows(scratch.rows, chunks)
+  (k_smem, v_smem), stage = _unpack_rows(scratch.rows,
+                                          1 if split_products else chunks)
   head_dim = refs.q.shape[3]
   width = head_dim // chunks
   dtype = refs.q.dtype
@@ -542,7 +729,151 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     plgpu.copy_smem_to_gmem(dv_tile, dv_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
-  _for_each_compute_warpgroup(block.warpgroup, chunks, consumer)
+  # The product split: one row group; warpgroup 0 computes the
+  # probabilities, hands them over and accumulates all of dV, warpgroup 1
+  # computes dP^T, dS^T and accumulates all of dK.
+  tile_shape = (block_kv, block_q)
+  column_layout = plgpu.Layout.WGMMA.reduce(0)
+
+  def split_walk(step, carry):
+    """Runs step(q_tile_index, carry, head_step=, kind=) over the row
+    group's query tiles of every head of the group (both warpgroups walk
+    them), as `consumer`'s head_loop."""
+    own = pipeline.query_tiles(mask, block, block.start, block_kv, block_q,
+                               _ranges(segments, "group_ranges"))
+    own = pipeline.consumer_runs(own, block.tiles_lo, block.tiles_hi)
+
+    def head_loop(head_step, carry):
+      for lo, hi, kind in own:
+        carry = lax.fori_loop(
+            lo, hi, functools.partial(step, head_step=head_step, kind=kind),
+            carry)
+      return carry
+
+    if group == 1:
+      return head_loop(jnp.int32(0), carry)
+    return lax.fori_loop(0, group, head_loop, carry)
+
+  def store_gradient(tile, gradient, out_ref):
+    """Writes a [block_kv, H] gradient over `tile` (K or V, which the other
+    warpgroup may still read: waits for it) and copies it out."""
+    plgpu.barrier_arrive(scratch.done)
+    plgpu.barrier_wait(scratch.done)
+    tile[...] = gradient.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+        tile, out_ref.at[batch, pl.ds(block.start, block_kv), kv_head])
+    plgpu.wait_smem_to_gmem(0)
+
+  def probabilities():
+    """Warpgroup 0: per query tile S^T = K Q^T, P^T (masked), handed over;
+    dV += P^T dO."""
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    k_start, k_tile = block.start, k_smem.at[0]
+    plgpu.barrier_wait(scratch.kv_ready.at[0])
+    wgmma_layout = plgpu.Layout.WGMMA
+    key_ids = k_start + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0,
+                                               layout=wgmma_layout)
+    query_offsets = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
+                                           layout=wgmma_layout)
+    query_vector = plgpu.broadcasted_iota(jnp.int32, (block_q,), 0,
+                                          layout=column_layout)
+    key_segments = (None if kv_ids is None
+                    else pipeline.ids_vector(kv_ids[1].at[0], 0))
+
+    def segment_tiles(slot):
+      """As `consumer`'s."""
+      if key_segments is None:
+        return ()
+      return (pipeline.ids_tile(pipeline.ids_vector(q_ids[1].at[slot], 1),
+                                tile_shape, 1),
+              pipeline.ids_tile(key_segments, tile_shape, 0))
+
+    def step(q_tile_index, dv, *, head_step, kind: str):
+      slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
+      plgpu.barrier_wait(scratch.q_ready.at[slot])
+      if kind == "skip":
+        plgpu.barrier_wait(scratch.do_ready.at[slot])
+        plgpu.barrier_arrive(scratch.consumed.at[slot])
+        return dv
+      q_start = pipeline.tile_start(q_tile_index, block_q)
+
+      def scores(acc_ref):
+        plgpu.wgmma(acc_ref, k_tile, scratch.q.at[slot].T)
+        return acc_ref[...]
+
+      s_t = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
+      lse = plgpu.load(scratch.lse.at[slot], layout=column_layout)
+      lse = pipeline.valid_lse(lse, q_start + query_vector, block.q_len)
+      logits, capped = numerics.logits_base2(s_t, scale=scale,
+                                             soft_cap=soft_cap)
+      probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [1]))
+      if kind == "masked":
+        seen = pipeline.query_tile_visible(mask, query_offsets, q_start,
+                                           key_ids, block.kv_len,
+                                           block.offset, *segment_tiles(slot))
+        probs = jnp.where(seen, probs, 0.0)
+      factor = _score_factor(probs, capped)
+      probs = probs.astype(dtype)
+      plgpu.barrier_wait(scratch.do_ready.at[slot])
+
+      def values(acc_ref):
+        plgpu.wgmma(acc_ref, probs, scratch.do.at[slot])
+        _hand_over(scratch, factor)  # While the product runs.
+
+      dv = pl.run_state(values)(plgpu.ACC.init(dv))
+      plgpu.barrier_arrive(scratch.consumed.at[slot])
+      return dv
+
+    zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32),
+                              wgmma_layout)
+    store_gradient(v_smem.at[0], split_walk(step, zeros), dv_ref)
+
+  def gradients():
+    """Warpgroup 1: per query tile dP^T = V dO^T, dS^T from the
+    handed-over probabilities, dK += dS^T Q."""
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    v_tile = v_smem.at[0]
+    plgpu.barrier_wait(scratch.kv_ready.at[0])
+    plgpu.barrier_arrive(scratch.probs_free)  # The buffer starts free.
+
+    def step(q_tile_index, dk, *, head_step, kind: str):
+      slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
+      plgpu.barrier_wait(scratch.q_ready.at[slot])
+      plgpu.barrier_wait(scratch.do_ready.at[slot])
+      if kind == "skip":
+        plgpu.barrier_arrive(scratch.consumed.at[slot])
+        return dk
+
+      def score_gradients(acc_ref):
+        plgpu.wgmma(acc_ref, v_tile, scratch.do.at[slot].T)
+        factor = _take_over(scratch)  # While the product runs.
+        return acc_ref[...], factor
+
+      dp_t, factor = pl.run_scoped(score_gradients,
+                                   plgpu.ACC(tile_shape, jnp.float32))
+      delta = plgpu.load(scratch.delta.at[slot], layout=column_layout)
+      delta = lax.broadcast_in_dim(delta, tile_shape, [1])
+      ds_t = (factor * (dp_t - delta)).astype(dtype)
+
+      def keys(acc_ref):
+        plgpu.wgmma(acc_ref, ds_t, scratch.q.at[slot])
+
+      dk = pl.run_state(keys)(plgpu.ACC.init(dk))
+      plgpu.barrier_arrive(scratch.consumed.at[slot])
+      return dk
+
+    zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32),
+                              plgpu.Layout.WGMMA)
+    store_gradient(k_smem.at[0], split_walk(step, zeros) * scale, dk_ref)
+
+  if split_products:
+    assert refs.dq_sum is None and row_groups == 1, row_groups
+    _for_each_compute_warpgroup(
+        block.warpgroup, chunks,
+        lambda _, role: (probabilities, gradients)[role]())
+  else:
+    _for_each_compute_warpgroup(block.warpgroup, chunks, consumer)
 
   @pl.when(block.warpgroup == PRODUCER)
   def _producer():
@@ -596,6 +927,10 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
   group = num_heads // num_kv_heads
   stages = block_sizes.backward_stages
   row_groups, chunks = backward_warpgroup_split(head_dim)
+  split_products = backward_splits_products(head_dim)
+  # Shared memory of the row tiles: a column split stages its outputs'
+  # chunks in a union with them, a product split writes over them whole.
+  rows_chunks = 1 if split_products else chunks
   if q_lengths is None:
     q_lengths = kv_lengths = jnp.zeros((batch,), jnp.int32)  # Unread.
   # TMA needs rows in multiples of SEQ_ALIGN: pad (padded rows and keys are
@@ -614,6 +949,18 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
                 soft_cap=spec.logits_soft_cap, stages=stages,
                 row_groups=row_groups, chunks=chunks, group=group,
                 q_seq=q_seq, kv_seq=kv_seq)
+  if split_products:
+    common.update(split_products=True)
+
+  def hand_over_scratch(rows: int, columns: int) -> dict:
+    """With the product split, the probabilities' buffer ([rows, columns]
+    float32) and its barriers (`DqScratch`, `DkvScratch`); else none."""
+    if not split_products:
+      return {}
+    return dict(probs=plgpu.SMEM((rows, columns), jnp.float32,
+                                 transforms=smem_transforms(jnp.float32)),
+                probs_ready=plgpu.Barrier(num_arrivals=1),
+                probs_free=plgpu.Barrier(num_arrivals=1))
   inputs = pipeline.KernelInputs(
       q=query, k=key, v=value, do=dout, lse=lse2, delta=delta,
       q_lengths=q_lengths, kv_lengths=kv_lengths)
@@ -641,7 +988,7 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
   block_q, block_kv = block_sizes.block_q_dq, block_sizes.block_kv_dq
   dq_scratch = DqScratch(
       rows=_rows_scratch(tiles, dtype, block_q, head_dim, row_groups,
-                         chunks),
+                         rows_chunks),
       lse=stats(row_groups, block_q),
       delta=stats(row_groups, block_q),
       k=tiles(stages, block_kv),
@@ -658,6 +1005,7 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
       consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
                              num_barriers=stages),
       done=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+      **hand_over_scratch(block_q, block_kv),
   )
   atomic_dq = block_sizes.atomic_dq
   operand_arrays = jax.tree.leaves(inputs)
@@ -677,7 +1025,7 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
   block_q, block_kv = block_sizes.block_q_dkv, block_sizes.block_kv_dkv
   dkv_scratch = DkvScratch(
       rows=_rows_scratch(tiles, dtype, block_kv, head_dim, row_groups,
-                         chunks),
+                         rows_chunks),
       q=tiles(stages, block_q),
       do=tiles(stages, block_q),
       lse=stats(stages, block_q),
@@ -700,6 +1048,7 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
       consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
                              num_barriers=stages),
       done=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+      **hand_over_scratch(block_kv, block_q),
   )
   kv_struct = sharding.output_struct(key.shape, dtype, *operand_arrays)
   dkv_inputs = with_segments(False, block_kv, block_q)

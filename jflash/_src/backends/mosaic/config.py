@@ -134,6 +134,10 @@ class MosaicBlockSizes:
     # dK/dV: K and V per row group, the Q/dO/lse/delta ring.
     dkv = (row_groups * 2 * tile(self.block_kv_dkv)
            + stages * (2 * tile(self.block_q_dkv) + 2 * 4 * self.block_q_dkv))
+    if backward_splits_products(head_dim):
+      # The float32 probabilities handed between the two warpgroups.
+      dq += self.block_q_dq * self.block_kv_dq * 4
+      dkv += self.block_kv_dkv * self.block_q_dkv * 4
     if self.atomic_dq:
       # Per row group: dS^T (16-bit) and the float32 dQ staging.
       dkv += row_groups * (self.block_kv_dkv * self.block_q_dkv * itemsize
@@ -183,10 +187,18 @@ def default_block_sizes(head_dim: int, itemsize: int = 2
 # The backward kernels' compute warpgroups. Their fp32 accumulators (dQ, or
 # dK and dV) hold at most BWD_MAX_ACC_COLUMNS head-dim columns per
 # warpgroup: past that (head dim 256), the two warpgroups share one row tile
-# and each accumulates half of the columns (recomputing the row tile's
-# probabilities); below it, each owns its own row tile.
+# (`backward_splits_products` says how they divide its work); below it,
+# each owns its own row tile.
 BWD_COMPUTE_WARPGROUPS = 2
 BWD_MAX_ACC_COLUMNS = 128
+# How two warpgroups sharing a row tile divide it. "products": one computes
+# the probabilities (S, P) and dV, hands P to the other through shared
+# memory, which computes dP, dS and dK (or dQ), each accumulator whole
+# ([64, 256] fp32, 128 registers a thread; dK/dV: 4 products of 64 x 64 x
+# 256 per tile pair instead of 6, dQ 3 instead of 5). "columns": both
+# compute S and dP, and each accumulates half of the head-dim columns. Read
+# when a call is traced.
+BWD_SHARED_ROW_SPLIT = "products"
 
 
 def backward_warpgroup_split(head_dim: int) -> tuple[int, int]:
@@ -197,6 +209,19 @@ def backward_warpgroup_split(head_dim: int) -> tuple[int, int]:
     raise ValueError(f"head_dim={head_dim} is not supported by the Mosaic "
                      "GPU backward kernels.")
   return BWD_COMPUTE_WARPGROUPS // chunks, chunks
+
+
+def backward_splits_products(head_dim: int) -> bool:
+  """Whether the backward's warpgroups that share a row tile (column chunks
+  > 1 in `backward_warpgroup_split`) split its products rather than its
+  columns (BWD_SHARED_ROW_SPLIT): then `column_chunks` is the number of
+  warpgroups per row tile, and chunk 0 computes the probabilities, chunk 1
+  the gradients (backward.py)."""
+  _, chunks = backward_warpgroup_split(head_dim)
+  if BWD_SHARED_ROW_SPLIT not in ("products", "columns"):
+    raise ValueError(f"{BWD_SHARED_ROW_SPLIT=} is not 'products' or "
+                     "'columns'.")
+  return chunks == 2 and BWD_SHARED_ROW_SPLIT == "products"
 
 
 def default_fp8_block_sizes(head_dim: int, is_causal: bool

@@ -456,7 +456,9 @@ def row_group_of(warpgroup, chunks: int):
 
 def column_chunk_of(warpgroup, chunks: int):
   """The column chunk of compute warpgroup `warpgroup` of `row_group_of`:
-  0 (a Python int) with a single chunk.
+  0 (a Python int) with a single chunk. With the backward's product split
+  (`config.backward_splits_products`) the chunk is the warpgroup's role
+  instead: 0 computes the probabilities, 1 the gradients.
 
   The CPU masking model (tests/mosaic_model.py) calls this: the
   head-dim columns every backward consumer accumulates.
