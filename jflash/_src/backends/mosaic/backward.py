@@ -165,6 +165,30 @@ def _take_over(scratch):
   return factor
 
 
+def _score_gradients_and_factor(scratch, lhs, rhs, tile_shape):
+  """The gradients warpgroup's step of a product split: (lhs rhs^T, the
+  handed-over `_score_factor` tile), the tile taken over while the product
+  runs. dQ kernel: dP = dO V^T; dK/dV kernel: dP^T = V dO^T."""
+
+  def product_and_factor(acc_ref):
+    plgpu.wgmma(acc_ref, lhs, rhs.T)
+    factor = _take_over(scratch)  # While the product runs.
+    return acc_ref[...], factor
+
+  return pl.run_scoped(product_and_factor,
+                       plgpu.ACC(tile_shape, jnp.float32))
+
+
+def _accumulated(acc, lhs, rhs):
+  """acc + lhs rhs (wgmma into the float32 accumulator acc, WGMMA layout;
+  lhs from registers or shared memory, rhs from shared memory)."""
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, lhs, rhs)
+
+  return pl.run_state(product)(plgpu.ACC.init(acc))
+
+
 def _for_each_compute_warpgroup(wg, chunks: int, consumer):
   """Runs consumer(row_group, chunk) on the compute warpgroups, in the
   roles `pipeline.row_group_of` and `pipeline.column_chunk_of` give them:
@@ -327,10 +351,7 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
                            lax.broadcast_in_dim(delta, tile_shape, [0]))
       ds = ds.astype(dtype)
 
-      def accumulate(acc_ref):
-        plgpu.wgmma(acc_ref, ds, _columns(k_tile, chunk, width, chunks))
-
-      dq = pl.run_state(accumulate)(plgpu.ACC.init(dq))
+      dq = _accumulated(dq, ds, _columns(k_tile, chunk, width, chunks))
       plgpu.barrier_arrive(scratch.consumed.at[slot])
       return dq
 
@@ -435,19 +456,11 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
         plgpu.barrier_arrive(scratch.consumed.at[slot])
         return dq
 
-      def score_gradients(acc_ref):
-        plgpu.wgmma(acc_ref, do_tile, scratch.v.at[slot].T)
-        factor = _take_over(scratch)  # While the product runs.
-        return acc_ref[...], factor
-
-      dp, factor = pl.run_scoped(score_gradients,
-                                 plgpu.ACC(tile_shape, jnp.float32))
+      dp, factor = _score_gradients_and_factor(
+          scratch, do_tile, scratch.v.at[slot], tile_shape)
       ds = (factor * (dp - delta)).astype(dtype)
 
-      def accumulate(acc_ref):
-        plgpu.wgmma(acc_ref, ds, scratch.k.at[slot])
-
-      dq = pl.run_state(accumulate)(plgpu.ACC.init(dq))
+      dq = _accumulated(dq, ds, scratch.k.at[slot])
       plgpu.barrier_arrive(scratch.consumed.at[slot])
       return dq
 
@@ -582,16 +595,17 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
   kv_ids, q_ids = pipeline.segment_sources(segments, scratch.kv_ids,
                                            scratch.q_ids)
 
-  def consumer(row_group, chunk: int):
-    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-    k_start = pipeline.row_group_start(block.start, row_group, block_kv)
-    k_tile, v_tile = k_smem.at[row_group], v_smem.at[row_group]
-    plgpu.barrier_wait(scratch.kv_ready.at[row_group])
+  wgmma_layout = plgpu.Layout.WGMMA
+  column_layout = plgpu.Layout.WGMMA.reduce(0)
+  # Transposed tiles: rows are keys, columns queries.
+  tile_shape = (block_kv, block_q)
 
-    wgmma_layout = plgpu.Layout.WGMMA
-    column_layout = plgpu.Layout.WGMMA.reduce(0)
-    # Transposed tiles: rows are keys, columns queries.
-    tile_shape = (block_kv, block_q)
+  def transposed_probabilities(row_group, k_start, k_tile):
+    """A warpgroup's per-step P^T of its keys (row group `row_group`, from
+    k_start, in k_tile), once K is loaded: returns
+    probabilities(slot, q_tile_index, kind) -> (P^T, the capped logits or
+    None): S^T = K Q^T of query tile `slot`, base-2 softmax numerators
+    against the rows' lse, masked where `kind` is "masked"."""
     key_ids = k_start + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0,
                                                layout=wgmma_layout)
     query_offsets = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
@@ -610,19 +624,11 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
                                 tile_shape, 1),
               pipeline.ids_tile(key_segments, tile_shape, 0))
 
-    def step(q_tile_index, carry, *, head_step, kind: str):
-      dk, dv = carry
-      slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
-      plgpu.barrier_wait(scratch.q_ready.at[slot])
-      if kind == "skip":
-        plgpu.barrier_wait(scratch.do_ready.at[slot])
-        plgpu.barrier_arrive(scratch.consumed.at[slot])
-        return carry
+    def probabilities(slot, q_tile_index, kind: str):
       q_start = pipeline.tile_start(q_tile_index, block_q)
-      q_tile, do_tile = scratch.q.at[slot], scratch.do.at[slot]
 
       def scores(acc_ref):
-        plgpu.wgmma(acc_ref, k_tile, q_tile.T)
+        plgpu.wgmma(acc_ref, k_tile, scratch.q.at[slot].T)
         return acc_ref[...]
 
       s_t = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
@@ -636,6 +642,27 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
                                            key_ids, block.kv_len,
                                            block.offset, *segment_tiles(slot))
         probs = jnp.where(seen, probs, 0.0)
+      return probs, capped
+
+    return probabilities
+
+  def consumer(row_group, chunk: int):
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    k_start = pipeline.row_group_start(block.start, row_group, block_kv)
+    k_tile, v_tile = k_smem.at[row_group], v_smem.at[row_group]
+    plgpu.barrier_wait(scratch.kv_ready.at[row_group])
+    probabilities_of = transposed_probabilities(row_group, k_start, k_tile)
+
+    def step(q_tile_index, carry, *, head_step, kind: str):
+      dk, dv = carry
+      slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
+      plgpu.barrier_wait(scratch.q_ready.at[slot])
+      if kind == "skip":
+        plgpu.barrier_wait(scratch.do_ready.at[slot])
+        plgpu.barrier_arrive(scratch.consumed.at[slot])
+        return carry
+      q_tile, do_tile = scratch.q.at[slot], scratch.do.at[slot]
+      probs, capped = probabilities_of(slot, q_tile_index, kind)
 
       plgpu.barrier_wait(scratch.do_ready.at[slot])
 
@@ -655,10 +682,7 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
 
       ds_t = ds_t.astype(dtype)
 
-      def keys(acc_ref):
-        plgpu.wgmma(acc_ref, ds_t, _columns(q_tile, chunk, width, chunks))
-
-      dk = pl.run_state(keys)(plgpu.ACC.init(dk))
+      dk = _accumulated(dk, ds_t, _columns(q_tile, chunk, width, chunks))
       if refs.dq_sum is not None:
         add_query_gradient(ds_t, pipeline.tile_start(q_tile_index, block_q),
                            kv_head * group + head_step)
@@ -732,9 +756,6 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
   # The product split: one row group; warpgroup 0 computes the
   # probabilities, hands them over and accumulates all of dV, warpgroup 1
   # computes dP^T, dS^T and accumulates all of dK.
-  tile_shape = (block_kv, block_q)
-  column_layout = plgpu.Layout.WGMMA.reduce(0)
-
   def split_walk(step, carry):
     """Runs step(q_tile_index, carry, head_step=, kind=) over the row
     group's query tiles of every head of the group (both warpgroups walk
@@ -769,25 +790,8 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     """Warpgroup 0: per query tile S^T = K Q^T, P^T (masked), handed over;
     dV += P^T dO."""
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-    k_start, k_tile = block.start, k_smem.at[0]
     plgpu.barrier_wait(scratch.kv_ready.at[0])
-    wgmma_layout = plgpu.Layout.WGMMA
-    key_ids = k_start + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0,
-                                               layout=wgmma_layout)
-    query_offsets = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1,
-                                           layout=wgmma_layout)
-    query_vector = plgpu.broadcasted_iota(jnp.int32, (block_q,), 0,
-                                          layout=column_layout)
-    key_segments = (None if kv_ids is None
-                    else pipeline.ids_vector(kv_ids[1].at[0], 0))
-
-    def segment_tiles(slot):
-      """As `consumer`'s."""
-      if key_segments is None:
-        return ()
-      return (pipeline.ids_tile(pipeline.ids_vector(q_ids[1].at[slot], 1),
-                                tile_shape, 1),
-              pipeline.ids_tile(key_segments, tile_shape, 0))
+    probabilities_of = transposed_probabilities(0, block.start, k_smem.at[0])
 
     def step(q_tile_index, dv, *, head_step, kind: str):
       slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
@@ -796,23 +800,7 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
         plgpu.barrier_wait(scratch.do_ready.at[slot])
         plgpu.barrier_arrive(scratch.consumed.at[slot])
         return dv
-      q_start = pipeline.tile_start(q_tile_index, block_q)
-
-      def scores(acc_ref):
-        plgpu.wgmma(acc_ref, k_tile, scratch.q.at[slot].T)
-        return acc_ref[...]
-
-      s_t = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
-      lse = plgpu.load(scratch.lse.at[slot], layout=column_layout)
-      lse = pipeline.valid_lse(lse, q_start + query_vector, block.q_len)
-      logits, capped = numerics.logits_base2(s_t, scale=scale,
-                                             soft_cap=soft_cap)
-      probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [1]))
-      if kind == "masked":
-        seen = pipeline.query_tile_visible(mask, query_offsets, q_start,
-                                           key_ids, block.kv_len,
-                                           block.offset, *segment_tiles(slot))
-        probs = jnp.where(seen, probs, 0.0)
+      probs, capped = probabilities_of(slot, q_tile_index, kind)
       factor = _score_factor(probs, capped)
       probs = probs.astype(dtype)
       plgpu.barrier_wait(scratch.do_ready.at[slot])
@@ -845,21 +833,13 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
         plgpu.barrier_arrive(scratch.consumed.at[slot])
         return dk
 
-      def score_gradients(acc_ref):
-        plgpu.wgmma(acc_ref, v_tile, scratch.do.at[slot].T)
-        factor = _take_over(scratch)  # While the product runs.
-        return acc_ref[...], factor
-
-      dp_t, factor = pl.run_scoped(score_gradients,
-                                   plgpu.ACC(tile_shape, jnp.float32))
+      dp_t, factor = _score_gradients_and_factor(
+          scratch, v_tile, scratch.do.at[slot], tile_shape)
       delta = plgpu.load(scratch.delta.at[slot], layout=column_layout)
       delta = lax.broadcast_in_dim(delta, tile_shape, [1])
       ds_t = (factor * (dp_t - delta)).astype(dtype)
 
-      def keys(acc_ref):
-        plgpu.wgmma(acc_ref, ds_t, scratch.q.at[slot])
-
-      dk = pl.run_state(keys)(plgpu.ACC.init(dk))
+      dk = _accumulated(dk, ds_t, scratch.q.at[slot])
       plgpu.barrier_arrive(scratch.consumed.at[slot])
       return dk
 
