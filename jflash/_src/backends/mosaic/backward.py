@@ -297,6 +297,24 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
   slot_of = functools.partial(pipeline.slot_of, lo=block.steps_lo,
                               stages=stages)
 
+  def masked_probabilities(s, lse, kv_step, kind: str, rows, columns,
+                           segment_ids):
+    """(P, the capped logits or None) of key tile kv_step from its scores
+    S = Q K^T: base-2 softmax numerators against the rows' lse, masked
+    where `kind` is "masked" (rows, columns: the tile's query rows and key
+    offsets; segment_ids(): `pipeline.key_tile_segment_ids`' tiles or (),
+    built only for a masked tile)."""
+    tile_shape = s.shape
+    logits, capped = numerics.logits_base2(s, scale=scale,
+                                           soft_cap=soft_cap)
+    probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [0]))
+    if kind == "masked":
+      seen = pipeline.key_tile_visible(mask, rows, columns, kv_step,
+                                       block_kv, block.kv_len,
+                                       block.offset, *segment_ids())
+      probs = jnp.where(seen, probs, 0.0)
+    return probs, capped
+
   def consumer(row_group, chunk: int):
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
     q_start = pipeline.row_group_start(block.start, row_group, block_q)
@@ -339,14 +357,9 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
 
       s, dp = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32),
                             plgpu.ACC(tile_shape, jnp.float32))
-      logits, capped = numerics.logits_base2(s, scale=scale,
-                                             soft_cap=soft_cap)
-      probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [0]))
-      if kind == "masked":
-        seen = pipeline.key_tile_visible(mask, rows, columns, kv_step,
-                                         block_kv, block.kv_len,
-                                         block.offset, *segment_tiles(slot))
-        probs = jnp.where(seen, probs, 0.0)
+      probs, capped = masked_probabilities(
+          s, lse, kv_step, kind, rows, columns,
+          functools.partial(segment_tiles, slot))
       ds = _score_gradient(probs, capped, dp,
                            lax.broadcast_in_dim(delta, tile_shape, [0]))
       ds = ds.astype(dtype)
@@ -421,14 +434,9 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
-      logits, capped = numerics.logits_base2(s, scale=scale,
-                                             soft_cap=soft_cap)
-      probs = jnp.exp2(logits - lax.broadcast_in_dim(lse, tile_shape, [0]))
-      if kind == "masked":
-        seen = pipeline.key_tile_visible(mask, rows, columns, kv_step,
-                                         block_kv, block.kv_len,
-                                         block.offset, *segment_tiles(slot))
-        probs = jnp.where(seen, probs, 0.0)
+      probs, capped = masked_probabilities(
+          s, lse, kv_step, kind, rows, columns,
+          functools.partial(segment_tiles, slot))
       _hand_over(scratch, _score_factor(probs, capped))
       plgpu.barrier_arrive(scratch.consumed.at[slot])
       return carry
@@ -600,6 +608,28 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
   # Transposed tiles: rows are keys, columns queries.
   tile_shape = (block_kv, block_q)
 
+  def query_runs(k_start):
+    """The runs (lo, hi, kind) of the query tiles that the row tile of keys
+    from k_start sees (`pipeline.query_tiles`, `consumer_runs`)."""
+    tiles = pipeline.query_tiles(mask, block, k_start, block_kv, block_q,
+                                 _ranges(segments, "group_ranges"))
+    return pipeline.consumer_runs(tiles, block.tiles_lo, block.tiles_hi)
+
+  def walk_query_tiles(runs, step, carry):
+    """Runs step(q_tile_index, carry, head_step=, kind=) over `runs` for
+    every query head of the kv head's GQA group; returns the carry."""
+
+    def head_loop(head_step, carry):
+      for lo, hi, kind in runs:
+        carry = lax.fori_loop(
+            lo, hi, functools.partial(step, head_step=head_step, kind=kind),
+            carry)
+      return carry
+
+    if group == 1:
+      return head_loop(jnp.int32(0), carry)
+    return lax.fori_loop(0, group, head_loop, carry)
+
   def transposed_probabilities(row_group, k_start, k_tile):
     """A warpgroup's per-step P^T of its keys (row group `row_group`, from
     k_start, in k_tile), once K is loaded: returns
@@ -718,23 +748,10 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
                                     columns],
             reduction_op="add")
 
-    own = pipeline.query_tiles(mask, block, k_start, block_kv, block_q,
-                               _ranges(segments, "group_ranges"))
-    own = pipeline.consumer_runs(own, block.tiles_lo, block.tiles_hi)
-
-    def head_loop(head_step, carry):
-      for lo, hi, kind in own:
-        carry = lax.fori_loop(
-            lo, hi, functools.partial(step, head_step=head_step, kind=kind),
-            carry)
-      return carry
-
+    runs = query_runs(k_start)
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32),
                               wgmma_layout)
-    if group == 1:
-      dk, dv = head_loop(jnp.int32(0), (zeros, zeros))
-    else:
-      dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
+    dk, dv = walk_query_tiles(runs, step, (zeros, zeros))
 
     if chunks > 1:
       # The other chunk's warpgroup may still read K and V, which `stage`
@@ -757,23 +774,9 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
   # probabilities, hands them over and accumulates all of dV, warpgroup 1
   # computes dP^T, dS^T and accumulates all of dK.
   def split_walk(step, carry):
-    """Runs step(q_tile_index, carry, head_step=, kind=) over the row
-    group's query tiles of every head of the group (both warpgroups walk
-    them), as `consumer`'s head_loop."""
-    own = pipeline.query_tiles(mask, block, block.start, block_kv, block_q,
-                               _ranges(segments, "group_ranges"))
-    own = pipeline.consumer_runs(own, block.tiles_lo, block.tiles_hi)
-
-    def head_loop(head_step, carry):
-      for lo, hi, kind in own:
-        carry = lax.fori_loop(
-            lo, hi, functools.partial(step, head_step=head_step, kind=kind),
-            carry)
-      return carry
-
-    if group == 1:
-      return head_loop(jnp.int32(0), carry)
-    return lax.fori_loop(0, group, head_loop, carry)
+    """`walk_query_tiles` over the row group's query tiles (both
+    warpgroups walk them)."""
+    return walk_query_tiles(query_runs(block.start), step, carry)
 
   def store_gradient(tile, gradient, out_ref):
     """Writes a [block_kv, H] gradient over `tile` (K or V, which the other
