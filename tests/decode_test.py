@@ -13,8 +13,6 @@ import numpy as np
 import jflash
 from jflash._src.backends.triton import decode as triton_decode
 from jflash._src.backends.triton import decode_backend
-from jflash._src.spec import CallSpec
-from jflash._src.spec import MaskSpec
 from tests import test_util
 from tests import tolerances
 
@@ -294,29 +292,6 @@ class DecodeTest(parameterized.TestCase):
     self.assertEqual(decode_backend.default_num_splits(8, 8, 8192, 64), 4)
     # 4 x 8 = 32 programs: 8 splits (256 programs), not 9 (288).
     self.assertEqual(decode_backend.default_num_splits(4, 8, 16384, 64), 8)
-
-  def test_fp8_caches_split_every_1024_keys_at_least(self):
-    # configure: the rule above, then at least one split per
-    # FP8_MAX_KEYS_PER_SPLIT cache entries for FP8 caches only.
-    self.enter_context(mock.patch.object(
-        decode_backend.platform, "multiprocessor_count", return_value=132))
-
-    def splits(batch, kv_len, dtype):
-      spec = CallSpec(batch=batch, q_len=1, kv_len=kv_len, num_heads=32,
-                      num_kv_heads=8, head_dim=128, dtype=dtype,
-                      scale=0.1, mask=MaskSpec(is_causal=False, has_lengths=True),
-                      out_dtype="bfloat16" if "float8" in dtype else None)
-      return decode_backend.configure(spec).num_splits
-
-    fp8 = "float8_e4m3fn"
-    self.assertEqual(splits(128, 1024, fp8), 1)
-    self.assertEqual(splits(64, 2048, fp8), 2)
-    self.assertEqual(splits(64, 2048, "bfloat16"), 1)
-    self.assertEqual(splits(16, 8192, fp8), 8)
-    self.assertEqual(splits(16, 8192, "bfloat16"), 2)
-    self.assertEqual(splits(1, 32768, fp8), 33)  # The rule's is larger.
-    with mock.patch.object(decode_backend, "FP8_MAX_KEYS_PER_SPLIT", None):
-      self.assertEqual(splits(64, 2048, fp8), 1)
 
   def test_wide_tile_launch_where_it_was_measured(self):
     # WIDE_TILE_LAUNCH first for a 16-row tile of 16-bit elements at head

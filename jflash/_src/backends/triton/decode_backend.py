@@ -40,15 +40,6 @@ MAX_NEW_TOKENS = 16
 MIN_TILES_PER_SPLIT = 4
 # Programs per multiprocessor that fill a GPU (two resident per SM).
 PROGRAMS_PER_SM = 2
-# FP8 (e4m3) caches: at most this many cache entries per split where the
-# rule above gives fewer splits. An FP8 program moves half the bytes of a
-# 16-bit one per key, and one that streams >= 2048 keys was short of work
-# in flight: on an H100 (32/8 heads, D=128, lengths S/2..S) 64 x 2048 ran
-# 12-13% faster with 2-4 splits than with the rule's 1, 16 x 8192 7% with
-# 8 than with its 2, while 16-bit caches gained 0-3% and 128 x 1024 kept
-# one split best (RECORD.md, 2026-11-26, "FP8 decode at other split
-# counts"). None: the rule above for FP8 too. Read when a call is traced.
-FP8_MAX_KEYS_PER_SPLIT = 1024
 
 DecodeLaunch = triton_decode.DecodeLaunch
 # The preferred launch, read when a call is traced (benchmarks/decode.py
@@ -261,14 +252,10 @@ class DecodeConfig:
 def configure(spec: CallSpec, *, interpret: bool = False,
               num_splits: int | None = None) -> DecodeConfig:
   """The user's `num_splits` (decode_attention), else enough to fill the
-  GPU (`default_num_splits`; FP8 caches at least one split per
-  FP8_MAX_KEYS_PER_SPLIT entries)."""
+  GPU (`default_num_splits`)."""
   if num_splits is None:
     num_splits = default_num_splits(spec.batch, spec.num_kv_heads,
                                     spec.kv_len)
-    if spec.is_fp8 and FP8_MAX_KEYS_PER_SPLIT is not None:
-      num_splits = max(num_splits,
-                       -(-spec.kv_len // FP8_MAX_KEYS_PER_SPLIT))
   return DecodeConfig(num_splits=num_splits, interpret=interpret)
 
 
