@@ -297,6 +297,14 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
   slot_of = functools.partial(pipeline.slot_of, lo=block.steps_lo,
                               stages=stages)
 
+  def key_runs(q_start):
+    """The runs (lo, hi, kind) of the key tiles that the row tile of queries
+    from q_start sees (`pipeline.key_tiles`, `consumer_runs`); with the
+    product split both warpgroups walk the same runs."""
+    tiles = pipeline.key_tiles(mask, block, q_start, block_q, block_kv,
+                               _ranges(segments, "group_ranges"))
+    return pipeline.consumer_runs(tiles, block.steps_lo, block.steps_hi)
+
   def masked_probabilities(s, lse, kv_step, kind: str, rows, columns,
                            segment_ids):
     """(P, the capped logits or None) of key tile kv_step from its scores
@@ -370,10 +378,7 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
 
     dq = plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32),
                            wgmma_layout)
-    own = pipeline.key_tiles(mask, block, q_start, block_q, block_kv,
-                             _ranges(segments, "group_ranges"))
-    for lo, hi, kind in pipeline.consumer_runs(own, block.steps_lo,
-                                               block.steps_hi):
+    for lo, hi, kind in key_runs(q_start):
       dq = lax.fori_loop(lo, hi, functools.partial(step, kind=kind), dq)
 
     if chunks > 1:
@@ -395,12 +400,6 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
   # and hands them over, warpgroup 1 computes dP, dS and all of dQ.
   tile_shape = (block_q, block_kv)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-  def split_runs():
-    """The runs of the row group's key tiles (both warpgroups walk them)."""
-    own = pipeline.key_tiles(mask, block, block.start, block_q, block_kv,
-                             _ranges(segments, "group_ranges"))
-    return pipeline.consumer_runs(own, block.steps_lo, block.steps_hi)
 
   def probabilities():
     """Warpgroup 0: per key tile S = Q K^T, P (masked), handed over."""
@@ -441,7 +440,7 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
       plgpu.barrier_arrive(scratch.consumed.at[slot])
       return carry
 
-    for lo, hi, kind in split_runs():
+    for lo, hi, kind in key_runs(block.start):
       lax.fori_loop(lo, hi, functools.partial(step, kind=kind), ())
     # Done reading Q: warpgroup 1 writes dQ over it.
     plgpu.barrier_arrive(scratch.done)
@@ -474,7 +473,7 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
 
     dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
                            plgpu.Layout.WGMMA)
-    for lo, hi, kind in split_runs():
+    for lo, hi, kind in key_runs(block.start):
       dq = lax.fori_loop(lo, hi, functools.partial(step, kind=kind), dq)
     plgpu.barrier_arrive(scratch.done)
     plgpu.barrier_wait(scratch.done)
