@@ -27,6 +27,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jflash._src import spec
 from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
@@ -272,6 +273,44 @@ def _ids_not_compared(positions: int):
   """A breaker of key_tile_visible / query_tile_visible (`positions`
   arguments before the ids tiles) that drops the ids: no segment mask."""
   return lambda visible: lambda *args: visible(*args[:positions])
+
+
+class GridOrderTest(parameterized.TestCase):
+  """`pipeline.tile_grid`: which causal grids start longest-first."""
+
+  def test_tail_of_a_small_grid(self):
+    # Two blocks of work 3 and 2 (2 tiles, +1 each) on two slots: the ideal
+    # is 2.5, the makespan 3.
+    self.assertAlmostEqual(pipeline.tile_last_tail(2, 1, 2), 0.2)
+
+  def test_tail_is_never_above_its_bound(self):
+    for tiles, pairs in ((16, 32), (16, 128), (64, 8), (64, 32), (256, 16)):
+      work = [tiles - t + 1 for t in range(tiles)]
+      bound = work[0] / (pairs * sum(work) / 132)
+      self.assertLessEqual(pipeline.tile_last_tail(tiles, pairs, 132),
+                           bound + 1e-9)
+
+  @parameterized.named_parameters(
+      # (tiles, heads, batch, streamed MB, causal, longest first)
+      ("under_the_bytes", 64, 16, 1, 67, True, True),
+      ("gqa_dkv_2x8192", 64, 4, 2, 134, True, True),  # model tail 23%
+      ("gqa_dkv_8x2048", 16, 4, 8, 134, True, True),  # 27%
+      ("mha_2x8192", 64, 16, 2, 134, True, False),  # 6%
+      ("mha_8x2048", 16, 16, 8, 134, True, False),  # 7%
+      ("mha_1x32768", 256, 16, 1, 268, True, False),  # ~0%
+      ("not_causal", 64, 4, 2, 134, False, False),
+  )
+  def test_longest_first(self, tiles, heads, batch, megabytes, causal,
+                         longest_first):
+    mask = spec.MaskSpec(is_causal=causal, has_lengths=False)
+    with mock.patch.object(pipeline, "sm_count", lambda: 132):
+      grid = pipeline.tile_grid(tiles, heads, batch, tile_axis="kv_tiles",
+                                mask=mask, streamed_bytes=megabytes * 2**20)
+    expected = ((tiles, heads, batch) if longest_first
+                else (batch, heads, tiles))
+    self.assertEqual(grid["grid"], expected)
+    self.assertEqual(grid["grid_names"][0 if longest_first else 2],
+                     "kv_tiles")
 
 
 class ModelSensitivityTest(parameterized.TestCase):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -821,6 +822,40 @@ def ids_tile(ids, tile_shape, dim: int):
 # 128, 2x4096 at D=64) and won 12% at 128 MB (8x2048); non-causal calls
 # (equal blocks) won 2-15% everywhere.
 LONGEST_FIRST_MAX_BYTES = 96 * 2**20
+# ... unless the tile-last order leaves a long tail: with few (batch, head)
+# pairs (GQA: the dK/dV grid has one per kv head) each head's longest
+# blocks start late in the grid and run on after the rest are done.
+# `tile_last_tail` models it; past this tail the grid is longest-first
+# whatever the bytes. Measured on H100 (RECORD.md, 2026-11-26, "causal
+# backward grid order at long sequences"), causal D=128, 16 heads, dK/dV
+# kernel longest-first vs tile-last: 2x8192 with 4 kv heads (model tail
+# 23%) 17.5% faster, 8x2048 with 4 kv heads (27%) 19% faster; with 16 kv
+# heads (tails 6-7%) -1% to +3.5%, and the dQ kernel 21% slower at 8x2048
+# (L2); 1x32768 (no tail) 5% slower.
+TILE_LAST_MAX_TAIL = 0.10
+
+
+def tile_last_tail(num_tiles: int, num_pairs: int, slots: int) -> float:
+  """The modeled tail of a causal tile-last grid: its makespan over the
+  ideal (total work / slots) when `num_pairs` (batch, head) pairs of
+  `num_tiles` blocks each, every pair's longest first, are handed in grid
+  order to `slots` block slots (one block per SM), each to the first slot
+  free. Block t (0: the longest) costs num_tiles - t tiles of the other
+  operand (causal, equal lengths) plus one for its prologue and epilogue.
+  Where max(work) / ideal, a bound on the tail, is already within
+  TILE_LAST_MAX_TAIL (long grids), it returns that bound unsimulated.
+  """
+  work = [num_tiles - t + 1 for t in range(num_tiles)]
+  ideal = num_pairs * sum(work) / slots
+  # Every block starts by the ideal (the first free slot is at most the
+  # mean load so far), so none ends later than the ideal plus its work.
+  if work[0] / ideal <= TILE_LAST_MAX_TAIL:
+    return work[0] / ideal
+  free = [0] * slots
+  for _ in range(num_pairs):
+    for w in work:
+      heapq.heapreplace(free, free[0] + w)
+  return max(free) / ideal - 1.0
 
 
 def tile_grid(num_tiles: int, num_heads: int, batch: int, *, tile_axis: str,
@@ -828,9 +863,12 @@ def tile_grid(num_tiles: int, num_heads: int, batch: int, *, tile_axis: str,
   """The launch's grid and grid_names over (tile, head, batch), ordered:
   longest first for causal masks (no window) whose streamed operands
   (`streamed_bytes`, all batch elements and heads) stay under
-  LONGEST_FIRST_MAX_BYTES, else tile axis last."""
-  if (mask.is_causal and mask.window is None
-      and streamed_bytes <= LONGEST_FIRST_MAX_BYTES):
+  LONGEST_FIRST_MAX_BYTES or whose tile-last order would leave a tail over
+  TILE_LAST_MAX_TAIL (`tile_last_tail`), else tile axis last."""
+  if mask.is_causal and mask.window is None and (
+      streamed_bytes <= LONGEST_FIRST_MAX_BYTES
+      or tile_last_tail(num_tiles, num_heads * batch, sm_count())
+      > TILE_LAST_MAX_TAIL):
     return dict(grid=(num_tiles, num_heads, batch),
                 grid_names=(tile_axis, "heads", "batch"))
   return dict(grid=(batch, num_heads, num_tiles),
