@@ -291,26 +291,36 @@ class GridOrderTest(parameterized.TestCase):
                            bound + 1e-9)
 
   @parameterized.named_parameters(
-      # (tiles, heads, batch, streamed MB, causal, longest first)
-      ("under_the_bytes", 64, 16, 1, 67, True, True),
-      ("gqa_dkv_2x8192", 64, 4, 2, 134, True, True),  # model tail 23%
-      ("gqa_dkv_8x2048", 16, 4, 8, 134, True, True),  # 27%
-      ("mha_2x8192", 64, 16, 2, 134, True, False),  # 6%
-      ("mha_8x2048", 16, 16, 8, 134, True, False),  # 7%
-      ("mha_1x32768", 256, 16, 1, 268, True, False),  # ~0%
-      ("not_causal", 64, 4, 2, 134, False, False),
+      # (tiles, heads, batch, streamed MB, causal, order)
+      ("under_the_bytes", 64, 16, 1, 67, True, "longest_first"),
+      ("gqa_dkv_2x8192", 64, 4, 2, 134, True, "longest_first"),  # tail 23%
+      ("gqa_dkv_8x2048", 16, 4, 8, 134, True, "longest_first"),  # 27%
+      ("mha_2x8192", 64, 16, 2, 134, True, "batch_major"),  # 6%
+      ("mha_8x2048", 16, 16, 8, 134, True, "batch_major"),  # 7%
+      ("mha_1x32768", 256, 16, 1, 268, True, "tile_last"),  # ~0%
+      ("mha_2x32768", 256, 16, 2, 536, True, "tile_last"),  # 268 MB each
+      ("not_causal", 64, 4, 2, 134, False, "tile_last"),
   )
-  def test_longest_first(self, tiles, heads, batch, megabytes, causal,
-                         longest_first):
+  def test_order(self, tiles, heads, batch, megabytes, causal, order):
     mask = spec.MaskSpec(is_causal=causal, has_lengths=False)
     with mock.patch.object(pipeline, "sm_count", lambda: 132):
       grid = pipeline.tile_grid(tiles, heads, batch, tile_axis="kv_tiles",
                                 mask=mask, streamed_bytes=megabytes * 2**20)
-    expected = ((tiles, heads, batch) if longest_first
-                else (batch, heads, tiles))
-    self.assertEqual(grid["grid"], expected)
-    self.assertEqual(grid["grid_names"][0 if longest_first else 2],
-                     "kv_tiles")
+    expected = {
+        "longest_first": ((tiles, heads, batch),
+                          ("kv_tiles", "heads", "batch")),
+        "batch_major": ((batch, tiles, heads), ("batch", "kv_tiles", "heads")),
+        "tile_last": ((batch, heads, tiles), ("batch", "heads", "kv_tiles")),
+    }[order]
+    self.assertEqual((grid["grid"], grid["grid_names"]), expected)
+
+  def test_batch_major_can_be_switched_off(self):
+    mask = spec.MaskSpec(is_causal=True, has_lengths=False)
+    with mock.patch.object(pipeline, "sm_count", lambda: 132), \
+        mock.patch.object(pipeline, "BATCH_MAJOR_LONGEST_FIRST", False):
+      grid = pipeline.tile_grid(64, 16, 2, tile_axis="q_tiles", mask=mask,
+                                streamed_bytes=134 * 2**20)
+    self.assertEqual(grid["grid"], (2, 16, 64))
 
 
 class ModelSensitivityTest(parameterized.TestCase):
