@@ -71,9 +71,10 @@ CASES = (
     # out); T and S not tile multiples leave a masked last key tile.
     ("no_mask_static_runs_gqa_sinks",
      model.make_case(2, 150, 200, 4, 2, 128, soft_cap=10.0, sinks=True)),
+    # Head dim 64: 256-key forward tiles, two of them in batch 0.
     ("no_mask_lengths_soft_cap",
-     model.make_case(2, 70, 150, 2, 1, 64, soft_cap=10.0,
-                     lengths=((70, 1), (150, 64)))),
+     model.make_case(2, 70, 300, 2, 1, 64, soft_cap=10.0,
+                     lengths=((70, 1), (300, 64)))),
     # T > S with a deeper forward ring and 64-key tiles, 128-row backward
     # tiles.
     ("causal_t_gt_s_other_tiles",

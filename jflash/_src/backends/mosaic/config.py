@@ -171,14 +171,18 @@ def default_block_sizes(head_dim: int, itemsize: int = 2
   (at D=128 1-2% faster than 3 or 4; at D=256 shared memory allows no
   more). At D=64 128-key dQ tiles and 128-query dK/dV tiles with 2 stages:
   6-8% faster forward+backward than all-64 tiles with 3 stages
-  (2x4096 and 1x16384, causal and not, H100, 2026-11-24).
+  (2x4096 and 1x16384, causal and not, H100, 2026-11-24), and 256-key
+  forward tiles: 6-9% faster than 128-key ones without a causal mask from
+  1k tokens, 3-8% causal from 4k (with the ping-pong and Q prefetch, H100,
+  2026-11-26, "256-key forward tiles at D=64"; `default_tiles` keeps 128
+  for causal calls over fewer keys, where they were 9% faster at 1k).
   """
   if head_dim > 128:
     sizes = MosaicBlockSizes(block_kv=64, backward_stages=2)
   elif head_dim > 64:
     sizes = MosaicBlockSizes(backward_stages=2)
   else:
-    sizes = MosaicBlockSizes(block_kv_dq=128, block_q_dkv=128,
+    sizes = MosaicBlockSizes(block_kv=256, block_kv_dq=128, block_q_dkv=128,
                              backward_stages=2)
   sizes.check_fits(head_dim, itemsize)
   return sizes
@@ -246,12 +250,25 @@ def is_fp8(spec: CallSpec) -> bool:
   return spec.dtype == FP8_DTYPE
 
 
+# Causal calls at head dim <= 64 over fewer keys than this keep 128-key
+# forward tiles: a 256-key tile on a block of 128 query rows crosses the
+# diagonal, whose masked half is wasted work (H100, causal 8x1024: 9%
+# slower than 128-key tiles; 2x4096 2.6% faster, 1x16384 8% faster;
+# RECORD.md, 2026-11-26, "256-key forward tiles at D=64").
+CAUSAL_WIDE_KEY_TILES_MIN_KV = 4096
+
+
 def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
   """The tiles by head dim for the call (`default_block_sizes`, or
-  `default_fp8_block_sizes`)."""
+  `default_fp8_block_sizes`), with 128-key forward tiles for causal calls
+  at head dim <= 64 over fewer than CAUSAL_WIDE_KEY_TILES_MIN_KV keys."""
   if is_fp8(spec):
     return default_fp8_block_sizes(spec.head_dim, spec.mask.is_causal)
-  return default_block_sizes(spec.head_dim, ITEMSIZE)
+  sizes = default_block_sizes(spec.head_dim, ITEMSIZE)
+  if (sizes.block_kv > 128 and spec.mask.is_causal
+      and spec.kv_len < CAUSAL_WIDE_KEY_TILES_MIN_KV):
+    sizes = dataclasses.replace(sizes, block_kv=128)
+  return sizes
 
 
 def check_fits(tiles: MosaicBlockSizes, spec: CallSpec) -> None:
