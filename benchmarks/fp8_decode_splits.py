@@ -73,6 +73,8 @@ def main():
     v = jax.random.normal(keys[2], k.shape, jnp.bfloat16)
     q8, k8, v8, qd, kd, vd = jflash.quantize_qkv(q, k, v)
     default = decode_backend.default_num_splits(batch, kv_heads, kv_seq)
+    default_fp8 = decode_backend.default_num_splits(batch, kv_heads,
+                                                    kv_seq, fp8=True)
     # One jitted function per split count, shared by the draws (the
     # lengths are an argument): each compiles once per dtype.
     jitted = {splits: jax.jit(
@@ -93,7 +95,8 @@ def main():
             for name, t in times.items()}
       bf16 = us["bf16_0"]
       line = (f"B={batch} S={kv_seq} {heads}/{kv_heads} D={head_dim} "
-              f"draw {draw} (default {default} splits): bf16 {bf16:.1f} us;")
+              f"draw {draw} (default splits: bf16 {default}, fp8 {default_fp8}): "
+              f"bf16 {bf16:.1f} us;")
       for splits in args.splits:
         t = us[f"fp8_{splits}"]
         line += (f" fp8@{splits or 'def'} {t:.1f} ({bf16 / t:.2f}x);"
@@ -102,6 +105,7 @@ def main():
       records.append(dict(batch=batch, kv_seq=kv_seq, num_heads=heads,
                           num_kv_heads=kv_heads, head_dim=head_dim,
                           draw=draw, default_splits=default,
+                          default_fp8_splits=default_fp8,
                           total_keys=int(lengths.sum()), us=us))
   with open(os.path.join(args.out, "fp8_decode_splits.json"), "w") as f:
     json.dump(records, f, indent=1)

@@ -1,6 +1,7 @@
 """jflash.decode_attention: the split-K kernel and the XLA path against a
 plain NumPy float64 reference written from the documented semantics."""
 
+import functools
 from unittest import mock
 
 from absl.testing import absltest
@@ -292,6 +293,22 @@ class DecodeTest(parameterized.TestCase):
     self.assertEqual(decode_backend.default_num_splits(8, 8, 8192, 64), 4)
     # 4 x 8 = 32 programs: 8 splits (256 programs), not 9 (288).
     self.assertEqual(decode_backend.default_num_splits(4, 8, 16384, 64), 8)
+
+  def test_fp8_split_count_fills_the_second_wave(self):
+    # FP8 caches, 3 programs per multiprocessor (396 on a GPU of 132): 512
+    # one-split programs are 1.29 waves; 3 splits make 3.88 (the fullest).
+    self.enter_context(mock.patch.object(
+        decode_backend.platform, "multiprocessor_count", return_value=132))
+    splits = functools.partial(decode_backend.default_num_splits, fp8=True)
+    self.assertEqual(splits(64, 8, 2048, 64), 3)
+    self.assertEqual(splits(64, 8, 4096, 64), 3)
+    self.assertEqual(decode_backend.default_num_splits(64, 8, 2048, 64), 1)
+    self.assertEqual(splits(96, 8, 2048, 64), 1)  # 1.94 waves
+    self.assertEqual(splits(48, 8, 2048, 64), 1)  # 0.97 waves
+    self.assertEqual(splits(128, 8, 1024, 64), 1)  # 2.59 waves
+    self.assertEqual(splits(64, 8, 512, 64), 2)  # 8 key tiles: 2 at most
+    # Below one wave the bf16 rule holds: 16 x 8 programs, 2 splits.
+    self.assertEqual(splits(16, 8, 8192, 64), 2)
 
   def test_wide_tile_launch_where_it_was_measured(self):
     # WIDE_TILE_LAUNCH first for a 16-row tile of 16-bit elements at head

@@ -67,20 +67,59 @@ WIDE_TILE_MIN_KEYS_PER_SPLIT = 4096
 
 
 def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
-                       block_k: int | None = None) -> int:
+                       block_k: int | None = None, *, fp8: bool = False
+                       ) -> int:
   """Splits per (sequence, kv head): none when B x K programs already fill
   the GPU, else as many as fit one wave of PROGRAMS_PER_SM programs per
   multiprocessor (rounded down: a call whose programs overshoot the wave,
   288-320 of 264 on an H100, ran 4-7% slower than one within it; RECORD.md,
   2026-11-26, "split counts that overshoot one wave"), with at least
   MIN_TILES_PER_SPLIT key tiles each (splits past a sequence's length do no
-  work)."""
+  work). An FP8 cache (`fp8`) that one split would leave with a part-empty
+  second wave is split to fill its waves (`fp8_wave_splits`)."""
   slots = PROGRAMS_PER_SM * platform.multiprocessor_count()
   programs = batch * num_kv_heads
-  if programs >= 0.8 * slots:
-    return 1
   key_tiles = -(-kv_seq // (block_k or DEFAULT_LAUNCH.block_k))
-  return max(1, min(slots // programs, key_tiles // MIN_TILES_PER_SPLIT))
+  most = max(1, key_tiles // MIN_TILES_PER_SPLIT)
+  if programs >= 0.8 * slots:
+    if fp8:
+      return min(most, fp8_wave_splits(
+          programs, FP8_PROGRAMS_PER_SM * platform.multiprocessor_count()))
+    return 1
+  return max(1, min(slots // programs, most))
+
+
+# FP8 caches: the kernel's one-split programs hold 135 registers a thread
+# (ncu, H100: 3 programs of 4 warps per multiprocessor). Where one split's
+# programs make more than one wave of those slots and less than
+# FP8_MIN_WAVE_FILL of two, the second wave runs part-empty (64 x 8 = 512
+# programs: 1.29 waves); more splits fill the waves. H100, T=1, 32/8
+# heads, D=128, three draws of kv lengths each: 3 splits 8-17% faster at
+# 64 x 2048 and 64 x 4096 (bf16 / FP8 1.29-1.51x -> 1.49-1.68x), while 96 x
+# 2048 (1.94 waves) and 48 x 2048 (0.97) are best at one and 128 x 1024
+# (2.59 waves: later waves even out) too (RECORD.md, 2026-11-26, "FP8
+# decode split counts over several kv-length draws" and "FP8 decode splits
+# where one split leaves a partial second wave").
+FP8_PROGRAMS_PER_SM = 3
+FP8_MIN_WAVE_FILL = 0.8
+FP8_MAX_WAVE_SPLITS = 4
+
+
+def fp8_wave_splits(programs: int, slots: int) -> int:
+  """Splits of an FP8 call whose one-split `programs` fill between one and
+  two waves of `slots`, the second part-empty: the count in 1 ..
+  FP8_MAX_WAVE_SPLITS whose waves are fullest (their mean fill over the
+  last wave's; ties to fewer splits); 1 elsewhere."""
+  waves = programs / slots
+  if not 1 < waves < 2 * FP8_MIN_WAVE_FILL:
+    return 1
+
+  def fill(splits):
+    waves = programs * splits / slots
+    return waves / -(-waves // 1)
+
+  return max(range(1, FP8_MAX_WAVE_SPLITS + 1),
+             key=lambda splits: (fill(splits), -splits))
 
 
 def preferred_launches(*, num_splits: int, kv_seq: int, rows_padded: int,
@@ -255,7 +294,7 @@ def configure(spec: CallSpec, *, interpret: bool = False,
   GPU (`default_num_splits`)."""
   if num_splits is None:
     num_splits = default_num_splits(spec.batch, spec.num_kv_heads,
-                                    spec.kv_len)
+                                    spec.kv_len, fp8=spec.is_fp8)
   return DecodeConfig(num_splits=num_splits, interpret=interpret)
 
 
