@@ -151,14 +151,20 @@ class MosaicBlockSizes:
       raise NotImplementedError(
           f"block_sizes.atomic_dq=True supports head dims <= "
           f"{BWD_MAX_ACC_COLUMNS}; got head_dim={head_dim}.")
-    for pass_, needed in (
-        ("forward", self.smem_bytes(head_dim, itemsize)),
-        ("backward", self.backward_smem_bytes(head_dim, itemsize))):
-      if needed > SMEM_BUDGET_BYTES:
+    # The forward's allocations with their 1 KiB alignment, as the FP8
+    # forward's: counted unaligned against SMEM_BUDGET_BYTES, 128-key tiles
+    # with 3 stages at head dim 128 passed (229,888 bytes) and then asked
+    # Mosaic for 232,568 of 232,448 (lowered for CUDA, 2026-11-26).
+    for pass_, needed, budget in (
+        ("forward", self.aligned_forward_bytes(head_dim, itemsize),
+         SMEM_BYTES - FP8_SMEM_RESERVED_BYTES),
+        ("backward", self.backward_smem_bytes(head_dim, itemsize),
+         SMEM_BUDGET_BYTES)):
+      if needed > budget:
         raise ValueError(
             f"block_sizes={self} need {needed} bytes of shared memory in the "
             f"{pass_} pass at head_dim={head_dim}; a Hopper block has "
-            f"{SMEM_BUDGET_BYTES}.")
+            f"{budget}.")
 
 
 def default_block_sizes(head_dim: int, itemsize: int = 2
