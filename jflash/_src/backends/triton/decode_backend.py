@@ -106,10 +106,10 @@ FP8_MAX_WAVE_SPLITS = 4
 
 
 def fp8_wave_splits(programs: int, slots: int) -> int:
-  """Splits of an FP8 call whose one-split `programs` fill between one and
-  two waves of `slots`, the second part-empty: the count in 1 ..
-  FP8_MAX_WAVE_SPLITS whose waves are fullest (their mean fill over the
-  last wave's; ties to fewer splits); 1 elsewhere."""
+  """Splits of an FP8 call whose one-split `programs` make more than one
+  wave of `slots` and less than FP8_MIN_WAVE_FILL of two: the count in 1
+  .. FP8_MAX_WAVE_SPLITS whose waves are fullest on average (waves over
+  the whole waves they start; ties to fewer splits); 1 elsewhere."""
   waves = programs / slots
   if not 1 < waves < 2 * FP8_MIN_WAVE_FILL:
     return 1
