@@ -172,7 +172,9 @@ class RegistryTest(absltest.TestCase):
     q = jnp.ones((1, 64, 2, 128), jnp.bfloat16)
     call = api.describe(q, q, q)
     too_big = jflash.MosaicBlockSizes(block_kv=256, num_stages=3)
-    with self.assertRaisesRegex(ValueError, "need 426496 bytes of shared "
+    # Q 32 KiB, two 3-stage rings of 256 x 128 keys 384 KiB, the lse
+    # staging 1 KiB (each allocation 1 KiB-aligned): 427008 bytes.
+    with self.assertRaisesRegex(ValueError, "need 427008 bytes of shared "
                                 "memory in the forward pass at "
                                 "head_dim=128"):
       MosaicConfig.for_call(call.spec, block_sizes=too_big)
