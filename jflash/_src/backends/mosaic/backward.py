@@ -675,6 +675,19 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
 
     return probabilities
 
+  def query_tile_slot(q_tile_index, head_step, kind: str):
+    """The ring slot of a step's Q and dO tiles once its Q tile is in, for
+    the warpgroups that compute probabilities (their dO wait comes later,
+    after S^T); None for a skipped tile, whose dO is still waited for and
+    whose slot is released (every thread waits on every phase)."""
+    slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
+    plgpu.barrier_wait(scratch.q_ready.at[slot])
+    if kind == "skip":
+      plgpu.barrier_wait(scratch.do_ready.at[slot])
+      plgpu.barrier_arrive(scratch.consumed.at[slot])
+      return None
+    return slot
+
   def consumer(row_group, chunk: int):
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
     k_start = pipeline.row_group_start(block.start, row_group, block_kv)
@@ -684,11 +697,8 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
 
     def step(q_tile_index, carry, *, head_step, kind: str):
       dk, dv = carry
-      slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
-      plgpu.barrier_wait(scratch.q_ready.at[slot])
-      if kind == "skip":
-        plgpu.barrier_wait(scratch.do_ready.at[slot])
-        plgpu.barrier_arrive(scratch.consumed.at[slot])
+      slot = query_tile_slot(q_tile_index, head_step, kind)
+      if slot is None:
         return carry
       q_tile, do_tile = scratch.q.at[slot], scratch.do.at[slot]
       probs, capped = probabilities_of(slot, q_tile_index, kind)
@@ -796,11 +806,8 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     probabilities_of = transposed_probabilities(0, block.start, k_smem.at[0])
 
     def step(q_tile_index, dv, *, head_step, kind: str):
-      slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
-      plgpu.barrier_wait(scratch.q_ready.at[slot])
-      if kind == "skip":
-        plgpu.barrier_wait(scratch.do_ready.at[slot])
-        plgpu.barrier_arrive(scratch.consumed.at[slot])
+      slot = query_tile_slot(q_tile_index, head_step, kind)
+      if slot is None:
         return dv
       probs, capped = probabilities_of(slot, q_tile_index, kind)
       factor = _score_factor(probs, capped)
