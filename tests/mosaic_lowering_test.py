@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jflash._src.backends.mosaic import backend as mosaic_backend
 from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.mosaic import forward as mosaic_forward
+from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.spec import CallSpec
 from jflash._src.spec import MaskSpec
@@ -74,6 +75,38 @@ class MosaicLoweringTest(parameterized.TestCase):
       self._check_lowering(
           "d256_columns", (2, 128, 200, 4, 2, 256), "bfloat16",
           dict(is_causal=True, has_segments=True), 20.0)
+
+  @parameterized.named_parameters(
+      # (LONGEST_FIRST_MAX_BYTES, modeled tail, expected grid_names with
+      # "T" for the kernel's tile axis). The case streams 196608 bytes per
+      # kernel (K/V or Q/dO), 98304 per batch element.
+      ("longest_first_past_the_tail", 0, 1.0, ("T", "heads", "batch")),
+      ("longest_first_per_batch_element", 98304, 0.0,
+       ("batch", "T", "heads")),
+      ("tile_last", 0, 0.0, ("batch", "heads", "T")),
+  )
+  def test_causal_grid_orders_lower_for_cuda(self, max_bytes, tail,
+                                             expected):
+    # The orders `pipeline.tile_grid` picks above LONGEST_FIRST_MAX_BYTES
+    # (only at sizes the suite's shapes never reach), forced on a small
+    # causal call with lengths (the forward not persistent: its grid is a
+    # tile grid too), every kernel lowered with its grid in that order.
+    grids = []
+    tile_grid = pipeline.tile_grid
+
+    def spy(*args, **kwargs):
+      grid = tile_grid(*args, **kwargs)
+      grids.append(tuple("T" if name.endswith("_tiles") else name
+                         for name in grid["grid_names"]))
+      return grid
+
+    with mock.patch.object(pipeline, "LONGEST_FIRST_MAX_BYTES", max_bytes), \
+        mock.patch.object(pipeline, "tile_last_tail", lambda *_: tail), \
+        mock.patch.object(pipeline, "tile_grid", spy):
+      self._check_lowering("grid_order", (2, 192, 192, 2, 2, 64),
+                           "bfloat16", dict(is_causal=True,
+                                            has_lengths=True), None)
+    self.assertEqual(grids, [expected] * 3)  # Forward, dQ, dK/dV.
 
   def test_other_tiles_lower_for_cuda(self):
     # Deeper forward ring, wider backward ring tiles.
