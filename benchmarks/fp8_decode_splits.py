@@ -11,8 +11,9 @@ Per case and draw of kv lengths (draw 0: every sequence full, lengths = S;
 draws 1..: lengths uniform in [S/2, S], one NumPy seed per draw), one T=1
 decode call (`decode_attention(..., implementation="decode", num_splits=)`)
 on the bfloat16 cache and on its e4m3 quantization (`quantize_qkv`) at each
-split count (0: the default rule, `num_splits=None`), all timed in the same
-interleaved rounds (`decode_route.time_calls`). Prints per row the
+split count (0: the default rule, `num_splits=None`), and cuDNN on the
+bfloat16 cache (GPU runs), all timed in the same interleaved rounds
+(`decode_route.time_calls`). Prints per row the
 microseconds per call, and bf16-at-its-default / fp8-at-each-count (issue
 24's target: >= 1.7 where B x S >= 128k); writes DIR/fp8_decode_splits.json.
 """
@@ -83,6 +84,10 @@ def main():
             interpret=args.interpret, **d))
               for splits in args.splits}
     fp8_descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    # Not causal: jax.nn's causal mask is top-left; with one token and the
+    # lengths it reads the same entries.
+    cudnn = jax.jit(lambda q, k, v, lengths: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=lengths, implementation="cudnn"))
     for draw in range(args.draws + 1):
       lengths = jnp.asarray(draw_lengths(batch, kv_seq, draw))
       calls = {}
@@ -90,6 +95,8 @@ def main():
         calls[f"fp8_{splits}"] = (call, (q8, k8, v8, lengths, fp8_descales))
         if splits in (0, 1):
           calls[f"bf16_{splits}"] = (call, (q, k, v, lengths, {}))
+      if not args.interpret:  # cuDNN on the bfloat16 cache, beside.
+        calls["cudnn_bf16"] = (cudnn, (q, k, v, lengths))
       times = decode_route.time_calls(calls, args.rounds, args.iters)
       us = {name: (t * 1e6 if isinstance(t, float) else t)
             for name, t in times.items()}
@@ -97,6 +104,8 @@ def main():
       line = (f"B={batch} S={kv_seq} {heads}/{kv_heads} D={head_dim} "
               f"draw {draw} (default splits: bf16 {default}, fp8 {default_fp8}): "
               f"bf16 {bf16:.1f} us;")
+      if "cudnn_bf16" in us:
+        line += f" cuDNN bf16 {us['cudnn_bf16']:.1f} us;"
       for splits in args.splits:
         t = us[f"fp8_{splits}"]
         line += (f" fp8@{splits or 'def'} {t:.1f} ({bf16 / t:.2f}x);"
