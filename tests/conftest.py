@@ -17,6 +17,17 @@ import jax
 
 if os.environ.get("JFLASH_TEST_ON_GPU") != "1":
   jax.config.update("jax_disable_most_optimizations", True)
+  # XLA:CPU of jaxlib 0.11 still has its former fusion emitters (LLVM IR
+  # straight from HLO) beside the MLIR ones: they compile an interpreted
+  # kernel's fusions ~2.5x faster (an interpreted fwd+bwd program: 0.6-0.9 s
+  # against 1.7-2.4 s), with bitwise the same results on it, and the whole
+  # suite in ~310 s instead of ~540 s on 2 cores (measured 2026-11-26,
+  # benchmarks/results/RECORD.md). jaxlib 0.12 has only the MLIR emitters
+  # and ignores the option (an unknown backend option, not an error). Set
+  # before any backend starts; subprocesses inherit it.
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") +
+      " --xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters")
 
 # XLA compilation is ~80% of the CPU time of the kernel test files, and some
 # programs recur (measured on six of them: ~40 s of ~500 s of compilation
