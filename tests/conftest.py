@@ -15,6 +15,14 @@ import tempfile
 
 import jax
 
+# .ci/run's second venv borrows the first venv's packages (its own jax
+# first): it says which jax it installed, and the run stops if another one
+# imports.
+_EXPECTED_JAX = os.environ.get("JFLASH_CI_EXPECTED_JAX")
+if _EXPECTED_JAX and jax.__version__ != _EXPECTED_JAX:
+  raise RuntimeError(f"jax {jax.__version__} imported from {jax.__file__}, "
+                     f"but .ci/run installed jax {_EXPECTED_JAX}")
+
 if os.environ.get("JFLASH_TEST_ON_GPU") != "1":
   jax.config.update("jax_disable_most_optimizations", True)
   # XLA:CPU of jaxlib 0.11 still has its former fusion emitters (LLVM IR
