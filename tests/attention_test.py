@@ -192,7 +192,7 @@ class MosaicPersistentAtSizeTest(parameterized.TestCase):
         head_dim=head_dim, dtype="bfloat16")
     spec = api.describe(q, k, v, is_causal=is_causal).spec
     sizes = mosaic_config.default_block_sizes(head_dim, 2)
-    self.assertTrue(mosaic_forward.prefers_persistent(spec))
+    self.assertTrue(mosaic_forward.is_persistent(spec.mask))
     self.assertTrue(sizes.fits_output_tiles(head_dim, 2))
     outputs = []
     for prefetch in (False, True):

@@ -173,7 +173,7 @@ class MosaicLoweringTest(parameterized.TestCase):
                     scale=head_dim**-0.5,
                     mask=MaskSpec(is_causal=is_causal, has_lengths=False))
     config = mosaic_backend.BACKEND.configure(spec)
-    self.assertTrue(mosaic_forward.prefers_persistent(spec))
+    self.assertTrue(mosaic_forward.is_persistent(spec.mask))
     q = jax.ShapeDtypeStruct((2, 256, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 256, 2, head_dim), jnp.bfloat16)
     texts = {}
@@ -205,7 +205,7 @@ class MosaicLoweringTest(parameterized.TestCase):
                     num_kv_heads=2, head_dim=128, dtype=fp8,
                     scale=128**-0.5, out_dtype="bfloat16",
                     mask=MaskSpec(is_causal=False, has_lengths=False))
-    self.assertTrue(mosaic_forward.prefers_persistent(spec))
+    self.assertTrue(mosaic_forward.is_persistent(spec.mask))
     config = mosaic_backend.BACKEND.configure(spec)
     sds = jax.ShapeDtypeStruct
     descale = sds((2, 2), jnp.float32)
@@ -221,41 +221,6 @@ class MosaicLoweringTest(parameterized.TestCase):
             lambda ops: mosaic_backend.forward(spec, config, ops),
             operands)[0])
     self.assertNotEqual(texts[0], texts[1])
-
-  def test_long_causal_calls_at_head_dim_128_launch_per_tile(self):
-    # forward.prefers_persistent: one block per query tile for 16-bit
-    # causal calls at head dim 128 over >= PER_TILE_CAUSAL_MIN_KV keys,
-    # the persistent kernel for every other call it can take.
-    def spec(kv_len, head_dim=128, causal=True, dtype="bfloat16", **mask):
-      return CallSpec(batch=1, q_len=kv_len, kv_len=kv_len, num_heads=2,
-                      num_kv_heads=2, head_dim=head_dim, dtype=dtype,
-                      scale=head_dim**-0.5,
-                      out_dtype="bfloat16" if dtype != "bfloat16" else None,
-                      mask=MaskSpec(**{"is_causal": causal,
-                                       "has_lengths": False, **mask}))
-
-    long = mosaic_forward.PER_TILE_CAUSAL_MIN_KV
-    self.assertFalse(mosaic_forward.prefers_persistent(spec(long)))
-    self.assertFalse(mosaic_forward.prefers_persistent(spec(2 * long)))
-    for persistent in (spec(long - 128), spec(long, causal=False),
-                       spec(long, head_dim=64), spec(long, head_dim=256),
-                       spec(long, dtype="float8_e4m3fn")):
-      self.assertTrue(mosaic_forward.prefers_persistent(persistent),
-                      msg=str(persistent))
-    self.assertFalse(mosaic_forward.prefers_persistent(
-        spec(1024, has_lengths=True)))  # Never persistent with lengths.
-    # And the launch follows it: no persistent grid, the kernel lowered.
-    long_spec = spec(long)
-    config = mosaic_backend.BACKEND.configure(long_spec)
-    q = jax.ShapeDtypeStruct((1, long, 2, 128), jnp.bfloat16)
-    with mock.patch.object(pipeline.PersistentGrid, "over",
-                           side_effect=AssertionError("persistent")):
-      text, (out, _) = _lower(
-          lambda q, k, v: mosaic_backend.forward(long_spec, config,
-                                                 Operands(q, k, v)),
-          q, q, q)
-    self.assertIn("mosaic_gpu", text)
-    self.assertEqual(out.shape, q.shape)
 
   def _check_ping_pong(self, forward_text, spec):
     # The consumers' turns go through the named barriers (PTX `bar` over

@@ -22,8 +22,7 @@ computes 2 * block_q query rows of one (batch, head) with three warpgroups.
   `numerics.py`) through its own small slot.
 
 Persistent launch (`is_persistent`: calls without window, lengths or
-segments, but for long causal calls at head dim 128,
-`prefers_persistent`): one program per SM instead of one block per (query tile, head,
+segments): one program per SM instead of one block per (query tile, head,
 batch); each program works through its items (`pipeline.PersistentGrid`:
 round-robin, query tiles fastest so that programs in flight share a head's
 K and V in L2; causal tiles in pairs t, n-1-t of equal total work) while
@@ -623,35 +622,11 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
 
 
 def is_persistent(mask: MaskSpec) -> bool:
-  """Whether the forward can run persistent (pipeline.PersistentGrid): when
+  """Whether the forward runs persistent (pipeline.PersistentGrid): when
   items handed out round-robin cost about the same (no window, lengths or
   segments; causal tiles go in pairs)."""
   return not (mask.window is not None or mask.has_lengths
               or mask.has_segments)
-
-
-# 16-bit causal calls at head dim 128 over at least this many keys launch
-# one block per query tile instead of the persistent kernel: there the
-# blocks the hardware hands out as SMs free up beat the programs' static
-# round-robin of causal pairs. Measured (H100, 2026-11-26, medians of 7 and
-# 11 alternating rounds, bitwise-equal outputs; RECORD "the causal forward,
-# persistent or one block per tile"), forward one block per tile /
-# persistent: 1x16384 1.026, 1.038; 1x32768 1.015; 1x32768 with 2 kv heads
-# 1.025; 2x16384 1.004; but 1x8192 0.99-1.007, 8x2048 0.949, 4x2048 0.864,
-# and at head dim 64 0.919 (2x4096) and 0.965 (1x16384), at 256 0.992
-# (1x8192): the persistent kernel everywhere else.
-PER_TILE_CAUSAL_MIN_KV = 16384
-PER_TILE_CAUSAL_HEAD_DIMS = (128,)
-
-
-def prefers_persistent(spec: CallSpec) -> bool:
-  """Whether the forward launches persistent by default: wherever it can
-  (`is_persistent`) but for long causal calls at the head dims of
-  PER_TILE_CAUSAL_HEAD_DIMS (16-bit only: FP8 was not measured)."""
-  long_causal = (spec.mask.is_causal and not spec.is_fp8
-                 and spec.head_dim in PER_TILE_CAUSAL_HEAD_DIMS
-                 and spec.kv_len >= PER_TILE_CAUSAL_MIN_KV)
-  return is_persistent(spec.mask) and not long_causal
 
 
 def _minus(x, shift: float):
@@ -742,8 +717,7 @@ def forward_call(operands: Operands, *, spec: CallSpec,
     spec: the call.
     block_sizes: the tiles.
     persistent: whether to launch a persistent kernel; None: where
-      `prefers_persistent` says so (True only where `is_persistent`
-      allows, for comparisons).
+      `is_persistent` allows (True there only, for comparisons).
 
   Returns:
     (out [B, T, N, H] in spec.output_dtype (the query's dtype but for FP8
@@ -775,7 +749,7 @@ def forward_call(operands: Operands, *, spec: CallSpec,
     raise ValueError(f"persistent=True needs a mask without window, lengths "
                      f"or segments; got {spec.mask}.")
   if persistent is None:
-    persistent = prefers_persistent(spec)
+    persistent = is_persistent(spec.mask)
   persistent = (pipeline.PersistentGrid.over(num_tiles, num_heads, batch,
                                              pairs=spec.mask.is_causal)
                 if persistent else None)
