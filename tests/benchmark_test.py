@@ -160,5 +160,23 @@ class TrainStepTest(absltest.TestCase):
                   train_step.xla_skip_reason(1, 32768, cfg, args))
 
 
+class CompileTimeTest(absltest.TestCase):
+
+  def test_ptxas_reports_are_read_from_what_cpp_code_prints(self):
+    # What Mosaic GPU's `ptxas -v` dump prints to file descriptor 1 (past
+    # sys.stdout), captured and parsed as compile_time.py --ptxas does.
+    compile_time = _load_benchmark("compile_time")
+
+    def prints():
+      os.write(1, b"ptxas info    : Used 168 registers\n"
+                  b"ptxas info    : Compile time = 409.648 ms\n"
+                  b"ptxas info    : Compile time = 12 ms\n")
+      return "result"
+
+    result, text = compile_time._capturing_stdout(prints)
+    self.assertEqual(result, "result")
+    self.assertEqual(compile_time._ptxas_seconds(text), [0.409648, 0.012])
+
+
 if __name__ == "__main__":
   absltest.main()
