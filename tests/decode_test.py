@@ -328,11 +328,23 @@ class DecodeTest(parameterized.TestCase):
     for changes in (dict(num_splits=2), dict(num_splits=3,
                                               kv_seq=3 * least - 1),
                     dict(rows_padded=32), dict(head_dim=256),
-                    dict(head_dim=64), dict(itemsize=4), dict(itemsize=1),
+                    dict(head_dim=64), dict(itemsize=4),
                     dict(page_size=64)):
       self.assertEqual(prefer(**changes), (default,), msg=f"{changes}")
     with mock.patch.object(decode_backend, "WIDE_TILE_LAUNCH", None):
       self.assertEqual(prefer(), (default,))
+    # FP8 caches (1-byte elements): FP8_LAUNCH first, whatever the rest.
+    # (The kernel's own default launch, DecodeLaunch(): the suite's
+    # DEFAULT_LAUNCH may have smaller tiles.)
+    fp8, stock = decode_backend.FP8_LAUNCH, decode_backend.DecodeLaunch()
+    self.assertEqual((fp8.block_k, fp8.num_warps, fp8.num_stages),
+                     (stock.block_k, stock.num_warps, stock.num_stages - 1))
+    for changes in (dict(), dict(num_splits=2), dict(head_dim=256),
+                    dict(rows_padded=64), dict(page_size=16)):
+      self.assertEqual(prefer(itemsize=1, **changes), (fp8, default),
+                       msg=f"{changes}")
+    with mock.patch.object(decode_backend, "FP8_LAUNCH", None):
+      self.assertEqual(prefer(itemsize=1), (default,))
 
   @parameterized.named_parameters(("dense", None, 1),
                                   ("pages_of_128", 128, 1),

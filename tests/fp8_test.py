@@ -10,6 +10,7 @@ compile); the interpreted Triton kernels run a few cases (each distinct
 call costs seconds of compilation in the interpreter).
 """
 
+import dataclasses
 import functools
 from unittest import mock
 
@@ -374,10 +375,14 @@ class Fp8DecodeKernelTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    # 16-key tiles: the short caches cross several tiles and splits.
+    # 16-key tiles: the short caches cross several tiles and splits. FP8
+    # caches take FP8_LAUNCH first: it gets them too (with its stages).
     self.enter_context(mock.patch.object(
         decode_backend, "DEFAULT_LAUNCH",
         decode_backend.DecodeLaunch(block_k=16)))
+    self.enter_context(mock.patch.object(
+        decode_backend, "FP8_LAUNCH", dataclasses.replace(
+            decode_backend.FP8_LAUNCH, block_k=16)))
 
   def _run(self, num_tokens, lengths, *, paged=False, sinks=None,
            num_splits=1, out_dtype=None):

@@ -100,8 +100,9 @@ class DecodeLaunchTest(parameterized.TestCase):
     # Packed rows: 1..16 tokens x GQA groups up to 128 query heads per kv
     # head, padded to a power of two >= 16 (decode.kernel_attention).
     # Every launch the backend prefers: DEFAULT_LAUNCH, and first
-    # WIDE_TILE_LAUNCH where decode_backend.preferred_launches takes it
-    # (one split, long splits; not short ones).
+    # FP8_LAUNCH (1-byte caches) or WIDE_TILE_LAUNCH where
+    # decode_backend.preferred_launches takes them (one split, long splits;
+    # not short ones).
     for head_dim, rows, (num_splits, kv_seq) in itertools.product(
         HEAD_DIMS, (16, 32, 64, 128, 256, 512, 1024, 2048),
         ((1, 512), (2, 512), (2, 1 << 16))):

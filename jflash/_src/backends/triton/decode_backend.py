@@ -64,6 +64,15 @@ DEFAULT_LAUNCH = DecodeLaunch()
 # so).
 WIDE_TILE_LAUNCH = DecodeLaunch(block_k=128, num_warps=4, num_stages=3)
 WIDE_TILE_MIN_KEYS_PER_SPLIT = 4096
+# The preferred launch of FP8 caches: DEFAULT_LAUNCH's 64-key tiles with one
+# stage fewer. H100, T=1, 32/8 heads, lengths in [S/2, S], three runs (two
+# draws) of 9-11 interleaved rounds, issue 24's five B x S >= 128k rows
+# (D=128 128x1024 ... 16x8192, D=256 16x8192): 0.5-5.5% faster than
+# (64, 4, 4) in every run of every row, bitwise the same output; 128-key
+# tiles -3..+3%, 8 warps 5-20% slower, 2 stages or 32-key tiles up to 25%
+# slower (RECORD.md, 2026-11-26, "FP8 decode under other launches"). None:
+# DEFAULT_LAUNCH.
+FP8_LAUNCH = DecodeLaunch(block_k=64, num_warps=4, num_stages=3)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
@@ -127,10 +136,13 @@ def preferred_launches(*, num_splits: int, kv_seq: int, rows_padded: int,
                        page_size: int | None = None
                        ) -> tuple[DecodeLaunch, ...]:
   """The launches `kernel_attention` asks `plan_launch` for, in order:
-  WIDE_TILE_LAUNCH first where it was measured faster (see there: one
-  split, or splits of at least WIDE_TILE_MIN_KEYS_PER_SPLIT of the kv_seq
-  cache entries; a paged cache only with pages a multiple of its key tile,
-  which are read without a gather), then DEFAULT_LAUNCH."""
+  FP8_LAUNCH first for FP8 caches (`itemsize` 1), WIDE_TILE_LAUNCH first
+  where it was measured faster (see there: one split, or splits of at least
+  WIDE_TILE_MIN_KEYS_PER_SPLIT of the kv_seq cache entries; a paged cache
+  only with pages a multiple of its key tile, which are read without a
+  gather), then DEFAULT_LAUNCH."""
+  if itemsize == 1 and FP8_LAUNCH is not None:
+    return (FP8_LAUNCH, DEFAULT_LAUNCH)
   wide = WIDE_TILE_LAUNCH
   long_splits = (num_splits == 1
                  or kv_seq >= num_splits * WIDE_TILE_MIN_KEYS_PER_SPLIT)
