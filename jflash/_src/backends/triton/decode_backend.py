@@ -108,7 +108,8 @@ def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
 # 2048 (1.94 waves) and 48 x 2048 (0.97) are best at one and 128 x 1024
 # (2.59 waves: later waves even out) too (RECORD.md, 2026-11-26, "FP8
 # decode split counts over several kv-length draws" and "FP8 decode splits
-# where one split leaves a partial second wave").
+# where one split leaves a partial second wave"). Measured with 4 stages;
+# FP8_LAUNCH's 3 were then measured with this rule in place.
 FP8_PROGRAMS_PER_SM = 3
 FP8_MIN_WAVE_FILL = 0.8
 FP8_MAX_WAVE_SPLITS = 4
