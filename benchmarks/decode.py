@@ -27,6 +27,10 @@ to random lengths between S/2 and S. Parts (--parts, default all three):
     B x S >= 128k). `--json PATH` also writes its rows. `--tiny` runs it
     anywhere: one tiny case, the kernels interpreted, one timing each.
 
+  fp8_launches (not in the default parts): the FP8 cache's time under
+    each launch of FP8_LAUNCHES (`decode_backend.FP8_LAUNCH` patched while
+    a fresh jit traces), beside the bfloat16 cache at its default.
+
   PYTHONPATH=. python3 benchmarks/decode.py --parts fp8 [--tokens 4]
 """
 
