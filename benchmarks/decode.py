@@ -180,8 +180,11 @@ def sweep(num_tokens, rng):
       launch = decode_lib.DecodeLaunch(block_k, warps, stages)
       with mock.patch.object(decode_lib, "DEFAULT_LAUNCH", launch), \
           mock.patch.object(decode_lib, "WIDE_TILE_LAUNCH", None):
-        try:  # A fresh jit: traced (and the split count chosen) here.
-          seconds = median_seconds(jax.jit(run), (q, k, v, lengths))
+        try:  # A fresh jit: traced (and the split count chosen) here. A
+          # new function object: jit's trace cache is keyed by the function,
+          # and `jax.jit(run)` again would reuse the first launch's trace.
+          seconds = median_seconds(jax.jit(lambda *a: run(*a)),
+                                   (q, k, v, lengths))
           row += f" k{block_k}w{warps}s{stages} {seconds / base:.2f};"
         except Exception as e:  # pylint: disable=broad-except
           row += f" k{block_k}w{warps}s{stages} error {type(e).__name__};"
@@ -352,8 +355,8 @@ def fp8_launch_sweep(num_tokens, rng):
     for launch in FP8_LAUNCHES:
       with mock.patch.object(decode_lib, "FP8_LAUNCH",
                              decode_lib.DecodeLaunch(*launch)):
-        try:
-          seconds = median_seconds(jax.jit(decode),
+        try:  # A new function: traced with this launch (see `sweep`).
+          seconds = median_seconds(jax.jit(lambda *a: decode(*a)),
                                    (q8, k8, v8, lengths, descales))
           line += f" fp8 {launch} {seconds * 1e6:.1f};"
         except Exception as e:  # pylint: disable=broad-except
