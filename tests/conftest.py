@@ -32,10 +32,13 @@ if os.environ.get("JFLASH_TEST_ON_GPU") != "1":
   # suite in ~310 s instead of ~540 s on 2 cores (measured 2026-11-26,
   # benchmarks/results/RECORD.md). jaxlib 0.12 has only the MLIR emitters
   # and ignores the option (an unknown backend option, not an error). Set
-  # before any backend starts; subprocesses inherit it.
-  os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") +
-      " --xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters")
+  # before any backend starts; subprocesses inherit it (and do not add it
+  # twice).
+  _FORMER_EMITTERS = (
+      "--xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters")
+  if _FORMER_EMITTERS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " " + _FORMER_EMITTERS)
 
 # XLA compilation is ~80% of the CPU time of the kernel test files, and some
 # programs recur (measured on six of them: ~40 s of ~500 s of compilation
