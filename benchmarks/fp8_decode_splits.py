@@ -3,7 +3,8 @@ several draws of the kv lengths (issue 24: a split rule for FP8 caches).
 
 Usage (repo root, GPU machine):
   PYTHONPATH=. python3 benchmarks/fp8_decode_splits.py [--out DIR]
-      [--cases B,S,N,K,D ...] [--splits 0 1 2 4 8] [--draws 2]
+      [--cases B,S,N,K,D ...] [--splits 0 1 2 4 8] [--bf16-splits 0 1]
+      [--draws 2]
   PYTHONPATH=. python3 benchmarks/fp8_decode_splits.py --interpret \
       --cases 2,256,8,2,64 --rounds 1 --iters 1   # a smoke run on a CPU
 
@@ -55,6 +56,8 @@ def main():
   parser.add_argument("--cases", type=_case, nargs="+", default=CASES)
   parser.add_argument("--splits", type=int, nargs="+",
                       default=[0, 1, 2, 4, 8])
+  parser.add_argument("--bf16-splits", type=int, nargs="+", default=[0, 1],
+                      help="split counts of the bfloat16 cache (0: default)")
   parser.add_argument("--draws", type=int, default=2,
                       help="draws of kv lengths besides the full one")
   parser.add_argument("--rounds", type=int, default=9)
@@ -82,7 +85,7 @@ def main():
         lambda q, k, v, lengths, d, n=splits or None: jflash.decode_attention(
             q, k, v, lengths, implementation="decode", num_splits=n,
             interpret=args.interpret, **d))
-              for splits in args.splits}
+              for splits in sorted({*args.splits, *args.bf16_splits})}
     fp8_descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
     # Not causal: jax.nn's causal mask is top-left; with one token and the
     # lengths it reads the same entries.
@@ -92,8 +95,10 @@ def main():
       lengths = jnp.asarray(draw_lengths(batch, kv_seq, draw))
       calls = {}
       for splits, call in jitted.items():
-        calls[f"fp8_{splits}"] = (call, (q8, k8, v8, lengths, fp8_descales))
-        if splits in (0, 1):
+        if splits in args.splits:
+          calls[f"fp8_{splits}"] = (call,
+                                    (q8, k8, v8, lengths, fp8_descales))
+        if splits in args.bf16_splits or splits == 0:
           calls[f"bf16_{splits}"] = (call, (q, k, v, lengths, {}))
       if not args.interpret:  # cuDNN on the bfloat16 cache, beside.
         calls["cudnn_bf16"] = (cudnn, (q, k, v, lengths))
@@ -106,6 +111,11 @@ def main():
               f"bf16 {bf16:.1f} us;")
       if "cudnn_bf16" in us:
         line += f" cuDNN bf16 {us['cudnn_bf16']:.1f} us;"
+      for splits in args.bf16_splits:
+        if splits:
+          t = us[f"bf16_{splits}"]
+          line += (f" bf16@{splits} {t:.1f};" if isinstance(t, float)
+                   else f" bf16@{splits} {t};")
       for splits in args.splits:
         t = us[f"fp8_{splits}"]
         line += (f" fp8@{splits or 'def'} {t:.1f} ({bf16 / t:.2f}x);"

@@ -294,21 +294,25 @@ class DecodeTest(parameterized.TestCase):
     # 4 x 8 = 32 programs: 8 splits (256 programs), not 9 (288).
     self.assertEqual(decode_backend.default_num_splits(4, 8, 16384, 64), 8)
 
-  def test_fp8_split_count_fills_the_second_wave(self):
-    # FP8 caches, 3 programs per multiprocessor (396 on a GPU of 132): 512
-    # one-split programs are 1.29 waves; 3 splits make 3.88 (the fullest).
+  def test_fp8_split_count_cuts_the_tail_of_few_waves(self):
+    # FP8 caches, 3 programs per multiprocessor (396 on a GPU of 132):
+    # below 2.5 waves of one-split programs (990), at least 4 splits; the
+    # bf16 rule's count where it is larger; never more than `most`.
     self.enter_context(mock.patch.object(
         decode_backend.platform, "multiprocessor_count", return_value=132))
     splits = functools.partial(decode_backend.default_num_splits, fp8=True)
-    self.assertEqual(splits(64, 8, 2048, 64), 3)
-    self.assertEqual(splits(64, 8, 4096, 64), 3)
+    self.assertEqual(splits(64, 8, 2048, 64), 4)  # 1.29 waves
     self.assertEqual(decode_backend.default_num_splits(64, 8, 2048, 64), 1)
-    self.assertEqual(splits(96, 8, 2048, 64), 1)  # 1.94 waves
-    self.assertEqual(splits(48, 8, 2048, 64), 1)  # 0.97 waves
+    self.assertEqual(splits(96, 8, 2048, 64), 4)  # 1.94 waves
+    self.assertEqual(splits(48, 8, 4096, 64), 4)  # 0.97 waves
+    self.assertEqual(splits(123, 8, 2048, 64), 4)  # 984 programs
+    self.assertEqual(splits(124, 8, 2048, 64), 1)  # 992: 2.5 waves
     self.assertEqual(splits(128, 8, 1024, 64), 1)  # 2.59 waves
     self.assertEqual(splits(64, 8, 512, 64), 2)  # 8 key tiles: 2 at most
-    # Below one wave the bf16 rule holds: 16 x 8 programs, 2 splits.
-    self.assertEqual(splits(16, 8, 8192, 64), 2)
+    self.assertEqual(splits(64, 8, 128, 64), 1)  # 2 key tiles
+    # Fewer programs: the bf16 rule's count where it is larger.
+    self.assertEqual(splits(16, 8, 8192, 64), 4)  # bf16: 2
+    self.assertEqual(splits(1, 8, 32768, 64), 33)  # bf16: 33
 
   def test_wide_tile_launch_where_it_was_measured(self):
     # WIDE_TILE_LAUNCH first for a 16-row tile of 16-bit elements at head

@@ -84,52 +84,37 @@ def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
   288-320 of 264 on an H100, ran 4-7% slower than one within it; RECORD.md,
   2026-11-26, "split counts that overshoot one wave"), with at least
   MIN_TILES_PER_SPLIT key tiles each (splits past a sequence's length do no
-  work). An FP8 cache (`fp8`) that one split would leave with a part-empty
-  second wave is split to fill its waves (`fp8_wave_splits`)."""
+  work). An FP8 cache (`fp8`) whose one-split programs make fewer than
+  FP8_SPLIT_MAX_WAVES waves takes at least FP8_SPLITS splits."""
   slots = PROGRAMS_PER_SM * platform.multiprocessor_count()
   programs = batch * num_kv_heads
   key_tiles = -(-kv_seq // (block_k or DEFAULT_LAUNCH.block_k))
   most = max(1, key_tiles // MIN_TILES_PER_SPLIT)
-  if programs >= 0.8 * slots:
-    if fp8:
-      return min(most, fp8_wave_splits(
-          programs, FP8_PROGRAMS_PER_SM * platform.multiprocessor_count()))
-    return 1
-  return max(1, min(slots // programs, most))
+  wave = 1 if programs >= 0.8 * slots else slots // programs
+  fp8_slots = FP8_PROGRAMS_PER_SM * platform.multiprocessor_count()
+  if fp8 and programs < FP8_SPLIT_MAX_WAVES * fp8_slots:
+    return max(1, min(most, max(FP8_SPLITS, wave)))
+  return max(1, min(most, wave))
 
 
 # FP8 caches: the kernel's one-split programs hold 135 registers a thread
-# (ncu, H100: 3 programs of 4 warps per multiprocessor). Where one split's
-# programs make more than one wave of those slots and less than
-# FP8_MIN_WAVE_FILL of two, the second wave runs part-empty (64 x 8 = 512
-# programs: 1.29 waves); more splits fill the waves. H100, T=1, 32/8
-# heads, D=128, three draws of kv lengths each: 3 splits 8-17% faster at
-# 64 x 2048 and 64 x 4096 (bf16 / FP8 1.29-1.51x -> 1.49-1.68x), while 96 x
-# 2048 (1.94 waves) and 48 x 2048 (0.97) are best at one and 128 x 1024
-# (2.59 waves: later waves even out) too (RECORD.md, 2026-11-26, "FP8
-# decode split counts over several kv-length draws" and "FP8 decode splits
-# where one split leaves a partial second wave"). Measured with 4 stages;
-# FP8_LAUNCH's 3 were then measured with this rule in place.
+# (ncu, H100: 3 programs of 4 warps per multiprocessor), and convert every
+# element they read, so they run ~1.6x faster than bf16's, and a call of
+# few waves ends on a tail: the programs of its longest sequences, started
+# last. Served batches have ragged lengths, and a call cannot see them (the
+# lengths are traced), so FP8 calls of fewer than FP8_SPLIT_MAX_WAVES waves
+# of one-split programs cut each sequence into FP8_SPLITS: H100, T=1, 32/8
+# heads, D=128, lengths uniform in [S/2, S] (three draws): 4 splits 5-12%
+# faster than 1 at 48 x 4096 (0.97 waves), 80 x 2048 (1.62), 96 x 2048
+# (1.94), 3-8% at 64 x 2048 (1.29), 2-3% at 128 x 2048 (2.59); with every
+# sequence full, 4 splits within 1.5% of 1 at those shapes (80 x 2048: 7%
+# faster) but 3% slower at 128 x 1024 (2.59 waves of 16-tile sequences),
+# where ragged draws gained nothing (RECORD.md, 2026-11-26, "FP8 decode
+# split counts with ragged lengths, 1-2.6 waves"). Fewer waves' calls keep
+# the bf16 rule's count where it is larger.
 FP8_PROGRAMS_PER_SM = 3
-FP8_MIN_WAVE_FILL = 0.8
-FP8_MAX_WAVE_SPLITS = 4
-
-
-def fp8_wave_splits(programs: int, slots: int) -> int:
-  """Splits of an FP8 call whose one-split `programs` make more than one
-  wave of `slots` and less than FP8_MIN_WAVE_FILL of two: the count in 1
-  .. FP8_MAX_WAVE_SPLITS whose waves are fullest on average (waves over
-  the whole waves they start; ties to fewer splits); 1 elsewhere."""
-  waves = programs / slots
-  if not 1 < waves < 2 * FP8_MIN_WAVE_FILL:
-    return 1
-
-  def fill(splits):
-    waves = programs * splits / slots
-    return waves / -(-waves // 1)
-
-  return max(range(1, FP8_MAX_WAVE_SPLITS + 1),
-             key=lambda splits: (fill(splits), -splits))
+FP8_SPLITS = 4
+FP8_SPLIT_MAX_WAVES = 2.5
 
 
 def preferred_launches(*, num_splits: int, kv_seq: int, rows_padded: int,
