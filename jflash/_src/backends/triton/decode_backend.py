@@ -98,20 +98,22 @@ def default_num_splits(batch: int, num_kv_heads: int, kv_seq: int,
 
 
 # FP8 caches: the kernel's one-split programs hold 135 registers a thread
-# (ncu, H100: 3 programs of 4 warps per multiprocessor), and convert every
-# element they read, so they run ~1.6x faster than bf16's, and a call of
-# few waves ends on a tail: the programs of its longest sequences, started
-# last. Served batches have ragged lengths, and a call cannot see them (the
-# lengths are traced), so FP8 calls of fewer than FP8_SPLIT_MAX_WAVES waves
-# of one-split programs cut each sequence into FP8_SPLITS: H100, T=1, 32/8
-# heads, D=128, lengths uniform in [S/2, S] (three draws): 4 splits 5-12%
-# faster than 1 at 48 x 4096 (0.97 waves), 80 x 2048 (1.62), 96 x 2048
-# (1.94), 3-8% at 64 x 2048 (1.29), 2-3% at 128 x 2048 (2.59); with every
-# sequence full, 4 splits within 1.5% of 1 at those shapes (80 x 2048: 7%
-# faster) but 3% slower at 128 x 1024 (2.59 waves of 16-tile sequences),
-# where ragged draws gained nothing (RECORD.md, 2026-11-26, "FP8 decode
-# split counts with ragged lengths, 1-2.6 waves"). Fewer waves' calls keep
-# the bf16 rule's count where it is larger.
+# (ncu, H100: 3 programs of 4 warps per multiprocessor) and run ~1.6x
+# faster than bf16's, and a call of few waves ends on a tail: the programs
+# of its longest sequences. Served batches have ragged lengths, which a
+# call cannot see (they are traced), so FP8 calls of fewer than
+# FP8_SPLIT_MAX_WAVES waves of one-split programs cut each sequence into
+# at least FP8_SPLITS. H100, T=1, 32/8 heads, lengths uniform in [S/2, S]
+# (three draws): 4 splits against the former rule's count 14-20% faster at
+# 24 x 4096 (0.48 waves), 6-18% at 32 x 4096 and 40 x 4096, 3-6% at 48 x
+# 4096, 10-13% at 96 x 2048 (1.94), 4-8% at 16 x 8192 (D=128; 0-6% at
+# D=256), 2-3% (against 1) at 128 x 2048 (2.59 waves), nothing at 128 x
+# 1024 (2.59, 16-tile sequences: 3% slower with every sequence full, hence
+# the 2.5). With every sequence full, up to 5% slower (32 x 4096, 16 x
+# 8192) or 6-14% faster (24 x 4096, 40 x 4096). bf16 caches gain nothing
+# from more splits on ragged lengths: their rule stays (RECORD.md,
+# 2026-11-26, "FP8 decode split counts with ragged lengths, 1-2.6 waves"
+# and "the FP8 ragged-tail split rule, checked").
 FP8_PROGRAMS_PER_SM = 3
 FP8_SPLITS = 4
 FP8_SPLIT_MAX_WAVES = 2.5
