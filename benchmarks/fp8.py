@@ -209,7 +209,8 @@ def write_json(path, rows):
 
 def time_all(args) -> int:
   batch, heads, seq = 1, 16, 16384
-  settings = [(64, False), (128, False), (256, False), (128, True)]
+  settings = [(64, False), (128, False), (256, False), (128, True),
+              (256, True)]
   if args.quick:
     settings = [(128, False)]
   tiles = {64: [(128, 2), (256, 2), (128, 3)],

@@ -258,18 +258,25 @@ class TrainingLaunchTest(parameterized.TestCase):
       self.assertEqual(sizes.fits_output_tiles(head_dim, 2), expected,
                        msg=f"{head_dim=} {sizes}")
 
-  def test_mosaic_forward_counts_its_alignment(self):
-    # 128-key tiles with 3 stages at head dim 128: 229,888 bytes unaligned
-    # (under the budget), but Mosaic allocates 1 KiB-aligned buffers and
-    # asked 232,568 of 232,448 (lowered for CUDA): refused here, first.
+  def test_mosaic_forward_counts_its_alignment_and_segment_ids(self):
+    # 128-key tiles with 3 stages at head dim 128: 229,888 bytes unaligned,
+    # but Mosaic allocates 1 KiB-aligned buffers: 230,400 (230,520 asked
+    # with the barriers, lowered for CUDA: mosaic_lowering_test's
+    # test_other_tiles_lower_for_cuda); with segment ids 3 KiB more, over
+    # Hopper's 232,448: refused here, first.
     tiles = mosaic_config.MosaicBlockSizes(64, 128, 3)
-    self.assertLessEqual(tiles.smem_bytes(128, 2),
-                         mosaic_config.SMEM_BUDGET_BYTES)
+    self.assertEqual(tiles.aligned_forward_bytes(128, 2), 230400)
+    tiles.check_fits(128, 2)
     with self.assertRaisesRegex(ValueError, r"block_sizes=.*forward pass"):
-      tiles.check_fits(128, 2)
-    # A deeper ring of narrower tiles still fits (and lowers: mosaic_
-    # lowering_test's test_other_tiles_lower_for_cuda).
-    mosaic_config.MosaicBlockSizes(64, 64, 3).check_fits(128, 2)
+      tiles.check_fits(128, 2, has_segments=True)
+    # Every head dim's default tiles fit with segment ids, and their output
+    # tiles (the Q prefetch) where they fit without.
+    for head_dim in (64, 128, 256):
+      sizes = mosaic_config.default_block_sizes(head_dim, 2)
+      sizes.check_fits(head_dim, 2, has_segments=True)
+      self.assertEqual(
+          sizes.fits_output_tiles(head_dim, 2, has_segments=True),
+          sizes.fits_output_tiles(head_dim, 2), msg=f"{head_dim=}")
 
 if __name__ == "__main__":
   absltest.main()

@@ -109,11 +109,13 @@ class MosaicLoweringTest(parameterized.TestCase):
     self.assertEqual(grids, [expected] * 3)  # Forward, dQ, dK/dV.
 
   def test_other_tiles_lower_for_cuda(self):
-    # Deeper forward ring, wider backward ring tiles.
+    # A deeper forward ring of 128-key tiles (230,400 bytes of tiles at
+    # head dim 128: it fits without Mosaic's reduction scratch, which the
+    # kernels do not reserve), wider backward ring tiles.
     self._check_lowering(
         "tiles", (1, 192, 320, 2, 2, 128), "bfloat16", dict(is_causal=True),
         None, block_sizes=MosaicBlockSizes(
-            block_kv=64, num_stages=3, block_kv_dq=128, block_q_dkv=128,
+            block_kv=128, num_stages=3, block_kv_dq=128, block_q_dkv=128,
             backward_stages=2))
 
   @parameterized.named_parameters(
@@ -124,6 +126,9 @@ class MosaicLoweringTest(parameterized.TestCase):
       ("d256_segments_bottom_right", (1, 100, 300, 2, 1, 256),
        dict(is_causal=True, bottom_right=True, has_segments=True), None,
        False),
+      # 128-key tiles at head dim 256 (64-key ones with segment ids).
+      ("d256_gqa_lengths", (2, 200, 300, 4, 2, 256),
+       dict(is_causal=False, has_lengths=True), None, False),
   )
   def test_fp8_forward_lowers_for_cuda(self, shape, mask_options, soft_cap,
                                        sinks):

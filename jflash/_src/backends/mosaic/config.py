@@ -12,11 +12,13 @@ from jflash._src.tuning import cache
 # Hopper's shared memory per block (227 KiB) less room for barriers.
 SMEM_BYTES = 227 * 1024
 SMEM_BUDGET_BYTES = SMEM_BYTES - 2048
-# The FP8 forward's allocations are counted with their 1 KiB alignment
-# (`MosaicBlockSizes.fp8_smem_bytes`); past them a launch took 2136 bytes
-# more (D=256, 128-key tiles, H100, RECORD 2026-11-25 "FP8 forward, first
-# run"): 4 KiB are left.
-FP8_SMEM_RESERVED_BYTES = 4096
+# The forward's allocations are counted with their 1 KiB alignment
+# (`MosaicBlockSizes.aligned_forward_bytes`); past them a launch took 2136
+# bytes more (D=256, 128-key FP8 tiles, H100, RECORD 2026-11-25 "FP8
+# forward, first run"): 2048 of Mosaic's default scratch for cross-warp
+# reductions, which the kernels no longer reserve (`pipeline.launch`), and
+# 88 of barriers: 1 KiB is left for those.
+FP8_SMEM_RESERVED_BYTES = 1024
 # Bytes per q/k/v element of the 16-bit kernels (bfloat16, float16); the
 # FP8 forward takes FP8_DTYPE.
 ITEMSIZE = 2
@@ -82,14 +84,17 @@ class MosaicBlockSizes:
     return q + kv + 2 * self.block_q * 4
 
   def aligned_forward_bytes(self, head_dim: int, itemsize: int,
-                            out_itemsize: int | None = None) -> int:
+                            out_itemsize: int | None = None, *,
+                            has_segments: bool = False) -> int:
     """Shared memory of the forward kernel as Mosaic allocates it, each
     allocation rounded up to the 1 KiB alignment of swizzled tiles: Q (and
     O without output tiles) of both compute warpgroups, the K and V rings,
-    the lse staging, and with `out_itemsize` an output tile per compute
-    warpgroup (FP8's, and the 16-bit Q prefetch's). Measured: the FP8
-    forward at D=256 with 128-key tiles asked 232536 bytes, 2136 more than
-    these allocations (FP8_SMEM_RESERVED_BYTES keeps room for that)."""
+    the lse staging, with `out_itemsize` an output tile per compute
+    warpgroup (FP8's, and the 16-bit Q prefetch's), with `has_segments`
+    the int32 segment ids of Q's rows and of the K ring. Measured: the FP8
+    forward at D=256 with 128-key tiles asked 88 bytes (its barriers) past
+    these allocations without segments, 2136 with Mosaic's reduction
+    scratch (see FP8_SMEM_RESERVED_BYTES)."""
     aligned = lambda n: -(-n // 1024) * 1024
     tiles = lambda rows, size: aligned(rows * head_dim * size)
     needed = (tiles(2 * self.block_q, itemsize)
@@ -97,31 +102,39 @@ class MosaicBlockSizes:
               + aligned(2 * self.block_q * 4))
     if out_itemsize is not None:
       needed += tiles(2 * self.block_q, out_itemsize)
+    if has_segments:
+      needed += (aligned(2 * self.block_q * 4)
+                 + aligned(self.num_stages * self.block_kv * 4))
     return needed
 
-  def fits_output_tiles(self, head_dim: int, itemsize: int) -> bool:
+  def fits_output_tiles(self, head_dim: int, itemsize: int, *,
+                        has_segments: bool = False) -> bool:
     """Whether the 16-bit forward's shared memory has room for output tiles
     of its own (the persistent forward's Q prefetch; default tiles: head
     dims <= 128), counted as the FP8 forward's: tiles that fit only without
     them run without them, never over the limit."""
-    return (self.aligned_forward_bytes(head_dim, itemsize, itemsize)
+    return (self.aligned_forward_bytes(head_dim, itemsize, itemsize,
+                                       has_segments=has_segments)
             <= SMEM_BYTES - FP8_SMEM_RESERVED_BYTES)
 
-  def fp8_smem_bytes(self, head_dim: int) -> int:
+  def fp8_smem_bytes(self, head_dim: int, *, has_segments: bool = False
+                     ) -> int:
     """Shared memory of the FP8 forward kernel: 8-bit Q, K and V, bfloat16
     output tiles (`aligned_forward_bytes`)."""
-    return self.aligned_forward_bytes(head_dim, 1, 2)
+    return self.aligned_forward_bytes(head_dim, 1, 2,
+                                      has_segments=has_segments)
 
-  def check_fits_fp8(self, head_dim: int) -> None:
+  def check_fits_fp8(self, head_dim: int, *, has_segments: bool = False
+                     ) -> None:
     """Raises ValueError if the FP8 forward's shared memory exceeds
-    Hopper's (with FP8_SMEM_RESERVED_BYTES left for barriers and Mosaic's
-    own use)."""
-    needed = self.fp8_smem_bytes(head_dim)
+    Hopper's (with FP8_SMEM_RESERVED_BYTES left for barriers)."""
+    needed = self.fp8_smem_bytes(head_dim, has_segments=has_segments)
     if needed > SMEM_BYTES - FP8_SMEM_RESERVED_BYTES:
       raise ValueError(
           f"block_sizes={self} need {needed} bytes of shared memory in the "
-          f"FP8 forward at head_dim={head_dim}; a Hopper block has "
-          f"{SMEM_BYTES - FP8_SMEM_RESERVED_BYTES} for its tiles.")
+          f"FP8 forward at head_dim={head_dim}"
+          f"{' with segment ids' if has_segments else ''}; a Hopper block "
+          f"has {SMEM_BYTES - FP8_SMEM_RESERVED_BYTES} for its tiles.")
 
   def backward_smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the larger of the two backward kernels."""
@@ -144,8 +157,10 @@ class MosaicBlockSizes:
                            + self.block_q_dkv * head_dim * 4)
     return max(dq, dkv)
 
-  def check_fits(self, head_dim: int, itemsize: int) -> None:
-    """Raises ValueError if a kernel's shared memory exceeds Hopper's, or
+  def check_fits(self, head_dim: int, itemsize: int, *,
+                 has_segments: bool = False) -> None:
+    """Raises ValueError if a kernel's shared memory exceeds Hopper's (the
+    forward's with segment ids where `has_segments`), or
     NotImplementedError for atomic_dq at a head dim over 128."""
     if self.atomic_dq and head_dim > BWD_MAX_ACC_COLUMNS:
       raise NotImplementedError(
@@ -154,9 +169,11 @@ class MosaicBlockSizes:
     # The forward's allocations with their 1 KiB alignment, as the FP8
     # forward's: counted unaligned against SMEM_BUDGET_BYTES, 128-key tiles
     # with 3 stages at head dim 128 passed (229,888 bytes) and then asked
-    # Mosaic for 232,568 of 232,448 (lowered for CUDA, 2026-11-26).
+    # Mosaic for 232,568 of 232,448 (lowered for CUDA, 2026-11-26, with
+    # the 2 KiB of reduction scratch then reserved; 230,520 without).
     for pass_, needed, budget in (
-        ("forward", self.aligned_forward_bytes(head_dim, itemsize),
+        ("forward", self.aligned_forward_bytes(
+            head_dim, itemsize, has_segments=has_segments),
          SMEM_BYTES - FP8_SMEM_RESERVED_BYTES),
         ("backward", self.backward_smem_bytes(head_dim, itemsize),
          SMEM_BUDGET_BYTES)):
@@ -234,20 +251,25 @@ def backward_splits_products(head_dim: int) -> bool:
   return chunks == 2 and BWD_SHARED_ROW_SPLIT == "products"
 
 
-def default_fp8_block_sizes(head_dim: int, is_causal: bool
-                            ) -> MosaicBlockSizes:
+def default_fp8_block_sizes(head_dim: int, is_causal: bool, *,
+                            has_segments: bool = False) -> MosaicBlockSizes:
   """The FP8 forward's tiles by head dim (H100, RECORD 2026-11-25 "FP8
   forward, first run": B=1, 16 heads, 16k tokens): 256-key tiles with 2
   stages at D=64 and D=128 (10-14% faster than 128-key tiles), but
   128-key tiles for causal calls at D=128 (6% faster: fewer masked keys on
-  the diagonal); 64-key tiles at D=256 (128 do not fit)."""
+  the diagonal); 128-key tiles at D=256 (21% faster than 64-key ones,
+  RECORD 2026-11-26 "no reduction scratch, and 128-key FP8 tiles at head
+  dim 256"), 64-key ones where segment ids leave no room for them."""
   if head_dim > 128:
-    sizes = MosaicBlockSizes(block_kv=64)
+    sizes = MosaicBlockSizes(block_kv=128)
+    if (sizes.fp8_smem_bytes(head_dim, has_segments=has_segments)
+        > SMEM_BYTES - FP8_SMEM_RESERVED_BYTES):
+      sizes = MosaicBlockSizes(block_kv=64)
   elif head_dim > 64 and is_causal:
     sizes = MosaicBlockSizes(block_kv=128)
   else:
     sizes = MosaicBlockSizes(block_kv=256)
-  sizes.check_fits_fp8(head_dim)
+  sizes.check_fits_fp8(head_dim, has_segments=has_segments)
   return sizes
 
 
@@ -269,7 +291,8 @@ def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
   `default_fp8_block_sizes`), with 128-key forward tiles for causal calls
   at head dim <= 64 over fewer than CAUSAL_WIDE_KEY_TILES_MIN_KV keys."""
   if is_fp8(spec):
-    return default_fp8_block_sizes(spec.head_dim, spec.mask.is_causal)
+    return default_fp8_block_sizes(spec.head_dim, spec.mask.is_causal,
+                                   has_segments=spec.mask.has_segments)
   sizes = default_block_sizes(spec.head_dim, ITEMSIZE)
   if (sizes.block_kv > 128 and spec.mask.is_causal
       and spec.kv_len < CAUSAL_WIDE_KEY_TILES_MIN_KV):
@@ -278,11 +301,13 @@ def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
 
 
 def check_fits(tiles: MosaicBlockSizes, spec: CallSpec) -> None:
-  """`tiles.check_fits` (FP8: `check_fits_fp8`) at the call's head dim."""
+  """`tiles.check_fits` (FP8: `check_fits_fp8`) at the call's head dim,
+  with its segment ids."""
+  segments = spec.mask.has_segments
   if is_fp8(spec):
-    tiles.check_fits_fp8(spec.head_dim)
+    tiles.check_fits_fp8(spec.head_dim, has_segments=segments)
   else:
-    tiles.check_fits(spec.head_dim, ITEMSIZE)
+    tiles.check_fits(spec.head_dim, ITEMSIZE, has_segments=segments)
 
 
 @dataclasses.dataclass(frozen=True)

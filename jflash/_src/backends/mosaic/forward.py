@@ -757,8 +757,9 @@ def forward_call(operands: Operands, *, spec: CallSpec,
   # epilogue where the output has tiles of its own (FP8 has them anyway;
   # 16-bit calls where shared memory has room).
   prefetch_q = (persistent is not None and q_prefetch(fp8, head_dim)
-                and (fp8 or block_sizes.fits_output_tiles(head_dim,
-                                                          dtype.itemsize)))
+                and (fp8 or block_sizes.fits_output_tiles(
+                    head_dim, dtype.itemsize,
+                    has_segments=segment_ids is not None)))
   output_tiles = fp8 or prefetch_q
   scratch = forward_scratch(
       dtype, head_dim, block_sizes, has_segments=segment_ids is not None,

@@ -931,5 +931,10 @@ def launch(kernel, scratch, inputs: KernelInputs, *, out_type, grid,
   return plgpu.kernel(
       body, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=num_threads, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # No shared memory set aside for cross-warp reductions (Mosaic's
+      # default: 2 KiB per kernel): the kernels reduce only along the rows
+      # of wgmma tiles, within each warp. Lowering raises if a reduction
+      # needs it (tests/mosaic_lowering_test.py lowers every kernel).
+      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                           reduction_scratch_bytes=0),
   )(*flat_inputs, *outputs)
