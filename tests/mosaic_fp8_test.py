@@ -25,6 +25,8 @@ from jflash._src.backends import xla
 from jflash._src.backends.mosaic import config
 from jflash._src.backends.mosaic import forward
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
+from jflash._src.spec import CallSpec
+from jflash._src.spec import MaskSpec
 from tests import mosaic_fp8_model
 from tests import test_util
 
@@ -178,8 +180,7 @@ class HopperTest(parameterized.TestCase):
     self.assertEqual((plan.forward, plan.dequantize), ("mosaic", False))
     out, lse = jax.jit(functools.partial(jflash.flash_attention,
                                          **arguments))(q8, k8, v8)
-    tiles = config.default_fp8_block_sizes(head_dim,
-                                           options.get("is_causal", False))
+    tiles = config.default_tiles(call.spec)
     (model_out, model_lse2), (ref_out, _) = _model_and_reference(
         q8, k8, v8, (qd, kd, vd), q_lengths, kv_lengths, sinks,
         options=tuple(options.items()), block_kv=tiles.block_kv)
@@ -199,24 +200,46 @@ class SharedMemoryTest(absltest.TestCase):
 
   def test_default_fp8_tiles_fit_and_the_measured_overflow_is_refused(self):
     for head_dim in (64, 128, 256):
-      for causal in (False, True):
-        for segments in (False, True):
-          tiles = config.default_fp8_block_sizes(head_dim, causal,
-                                                 has_segments=segments)
-          self.assertLessEqual(
-              tiles.fp8_smem_bytes(head_dim, has_segments=segments),
-              config.SMEM_BYTES - config.FP8_SMEM_RESERVED_BYTES)
+      for segments in (False, True):
+        tiles = config.default_fp8_block_sizes(head_dim,
+                                               has_segments=segments)
+        self.assertLessEqual(
+            tiles.fp8_smem_bytes(head_dim, has_segments=segments),
+            config.SMEM_BYTES - config.FP8_SMEM_RESERVED_BYTES)
     # Head dim 256: 128-key tiles (230,488 bytes asked, lowered for CUDA),
     # but 64-key ones with segment ids: with them, 128-key tiles asked
     # 232,536 bytes of 232,448 (lowered for CUDA, 2026-11-26).
-    self.assertEqual(config.default_fp8_block_sizes(256, False).block_kv,
-                     128)
+    self.assertEqual(config.default_fp8_block_sizes(256).block_kv, 128)
     self.assertEqual(config.default_fp8_block_sizes(
-        256, False, has_segments=True).block_kv, 64)
+        256, has_segments=True).block_kv, 64)
     MosaicBlockSizes(block_kv=128).check_fits_fp8(256)
     with self.assertRaisesRegex(ValueError,
                                 "FP8 forward at head_dim=256 with segment"):
       MosaicBlockSizes(block_kv=128).check_fits_fp8(256, has_segments=True)
+
+  def test_default_tiles_by_head_dim_mask_and_length(self):
+    # 256-key tiles at head dims <= 128 but for causal calls under
+    # CAUSAL_WIDE_KEY_TILES_MIN_KV keys (128: the diagonal's masked half);
+    # 128-key at 256, 64-key there with segment ids. The 16-bit D=64
+    # default follows the same causal rule.
+    def block_kv(head_dim, kv_len, causal, segments=False, dtype="fp8"):
+      spec = CallSpec(
+          batch=1, q_len=kv_len, kv_len=kv_len, num_heads=2,
+          num_kv_heads=2, head_dim=head_dim,
+          dtype=config.FP8_DTYPE if dtype == "fp8" else dtype,
+          scale=head_dim**-0.5, out_dtype="bfloat16",
+          mask=MaskSpec(is_causal=causal, has_lengths=False,
+                        has_segments=segments))
+      return config.default_tiles(spec).block_kv
+    wide = config.CAUSAL_WIDE_KEY_TILES_MIN_KV
+    self.assertEqual(block_kv(128, 1024, False), 256)
+    self.assertEqual(block_kv(128, wide - 1, True), 128)
+    self.assertEqual(block_kv(128, wide, True), 256)
+    self.assertEqual(block_kv(64, 1024, True), 128)
+    self.assertEqual(block_kv(256, 1024, True), 128)
+    self.assertEqual(block_kv(256, 8192, False, segments=True), 64)
+    self.assertEqual(block_kv(64, wide - 1, True, dtype="bfloat16"), 128)
+    self.assertEqual(block_kv(64, wide, True, dtype="bfloat16"), 256)
 
 
 if __name__ == "__main__":

@@ -251,13 +251,14 @@ def backward_splits_products(head_dim: int) -> bool:
   return chunks == 2 and BWD_SHARED_ROW_SPLIT == "products"
 
 
-def default_fp8_block_sizes(head_dim: int, is_causal: bool, *,
-                            has_segments: bool = False) -> MosaicBlockSizes:
-  """The FP8 forward's tiles by head dim (H100, RECORD 2026-11-25 "FP8
-  forward, first run": B=1, 16 heads, 16k tokens): 256-key tiles with 2
-  stages at D=64 and D=128 (10-14% faster than 128-key tiles), but
-  128-key tiles for causal calls at D=128 (6% faster: fewer masked keys on
-  the diagonal); 128-key tiles at D=256 (21% faster than 64-key ones,
+def default_fp8_block_sizes(head_dim: int, *, has_segments: bool = False
+                            ) -> MosaicBlockSizes:
+  """The FP8 forward's tiles by head dim (H100, B=1, 16 heads, 16k
+  tokens): 256-key tiles with 2 stages at D=64 and D=128 (10-14% faster
+  than 128-key tiles, RECORD 2026-11-25 "FP8 forward, first run"; causal
+  at D=128 9-13% faster since the ping-pong and Q prefetch, 2026-11-26
+  "D=128 causal FP8 tiles by length": `default_tiles` keeps 128 for short
+  causal calls); 128-key tiles at D=256 (16-21% faster than 64-key ones,
   RECORD 2026-11-26 "no reduction scratch, and 128-key FP8 tiles at head
   dim 256"), 64-key ones where segment ids leave no room for them."""
   if head_dim > 128:
@@ -265,8 +266,6 @@ def default_fp8_block_sizes(head_dim: int, is_causal: bool, *,
     if (sizes.fp8_smem_bytes(head_dim, has_segments=has_segments)
         > SMEM_BYTES - FP8_SMEM_RESERVED_BYTES):
       sizes = MosaicBlockSizes(block_kv=64)
-  elif head_dim > 64 and is_causal:
-    sizes = MosaicBlockSizes(block_kv=128)
   else:
     sizes = MosaicBlockSizes(block_kv=256)
   sizes.check_fits_fp8(head_dim, has_segments=has_segments)
@@ -278,22 +277,26 @@ def is_fp8(spec: CallSpec) -> bool:
   return spec.dtype == FP8_DTYPE
 
 
-# Causal calls at head dim <= 64 over fewer keys than this keep 128-key
-# forward tiles: a 256-key tile on a block of 128 query rows crosses the
-# diagonal, whose masked half is wasted work (H100, causal 8x1024: 9%
+# Causal calls over fewer keys than this keep 128-key forward tiles: a
+# 256-key tile on a block of 128 query rows crosses the diagonal, whose
+# masked half is wasted work. 16-bit, head dim 64 (H100, causal 8x1024: 9%
 # slower than 128-key tiles; 2x4096 2.6% faster, 1x16384 8% faster;
-# RECORD.md, 2026-11-26, "256-key forward tiles at D=64").
+# RECORD.md, 2026-11-26, "256-key forward tiles at D=64"); FP8, head dim
+# 128 (B x N = 16k: 9% slower at 1k, +2% at 2k, +3% at 4k, +8% at 8k, +13%
+# at 16k; RECORD.md, 2026-11-26, "D=128 causal FP8 tiles by length").
 CAUSAL_WIDE_KEY_TILES_MIN_KV = 4096
 
 
 def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
   """The tiles by head dim for the call (`default_block_sizes`, or
-  `default_fp8_block_sizes`), with 128-key forward tiles for causal calls
-  at head dim <= 64 over fewer than CAUSAL_WIDE_KEY_TILES_MIN_KV keys."""
+  `default_fp8_block_sizes` with its segment ids), with 128-key forward
+  tiles for causal calls over fewer than CAUSAL_WIDE_KEY_TILES_MIN_KV keys
+  (where the defaults are wider: D=64, and FP8 at D <= 128)."""
   if is_fp8(spec):
-    return default_fp8_block_sizes(spec.head_dim, spec.mask.is_causal,
-                                   has_segments=spec.mask.has_segments)
-  sizes = default_block_sizes(spec.head_dim, ITEMSIZE)
+    sizes = default_fp8_block_sizes(spec.head_dim,
+                                    has_segments=spec.mask.has_segments)
+  else:
+    sizes = default_block_sizes(spec.head_dim, ITEMSIZE)
   if (sizes.block_kv > 128 and spec.mask.is_causal
       and spec.kv_len < CAUSAL_WIDE_KEY_TILES_MIN_KV):
     sizes = dataclasses.replace(sizes, block_kv=128)
