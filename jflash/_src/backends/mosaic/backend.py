@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jflash._src import modifiers
+from jflash._src import numerics
 from jflash._src import paged
 from jflash._src import platform
 from jflash._src import registry
@@ -84,9 +85,10 @@ def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,
   `dlse`: the natural lse's cotangent, [B, N, T] (zero on rows without
   keys), or None.
   """
-  # delta = rowsum(dO * O) in float32: one fused XLA reduction.
-  delta = jnp.swapaxes(jnp.sum(
-      dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2)
+  # delta = rowsum(dO * O) in float32, one fused XLA pass, summed in a
+  # fixed order: the same bits in every process.
+  delta = jnp.swapaxes(numerics.sum_last_axis_fixed_order(
+      dout.astype(jnp.float32) * out.astype(jnp.float32)), 1, 2)
   if dlse is not None:
     # d lse / d s_c = p_c: the lse's cotangent shifts delta (see the Triton
     # backend).
