@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
-from jflash._src import numerics
 from tests import test_base
 from tests import test_util
 from tests import tolerances
@@ -186,23 +185,6 @@ class SinksTest(test_base.BackendTestCase):
 
 
 test_base.for_each_backend(globals(), SinksTest)
-
-class FixedOrderSumTest(parameterized.TestCase):
-  """numerics.sum_last_axis_fixed_order, which sums delta (the Mosaic
-  backward) and the sinks' gradient: the sum, and no XLA reduce in it (a
-  reduce's tiling, and so its bits, may differ between processes)."""
-
-  @parameterized.parameters(1, 2, 3, 5, 64, 96, 100)
-  def test_sum_without_a_reduce(self, length):
-    x = jax.random.normal(jax.random.key(length), (3, 4, length),
-                          jnp.float32)
-    got = numerics.sum_last_axis_fixed_order(x)
-    np.testing.assert_allclose(got, np.sum(np.asarray(x, np.float64), -1),
-                               rtol=1e-5, atol=1e-5)
-    self.assertEqual(got.shape, (3, 4))
-    jaxpr = str(jax.make_jaxpr(numerics.sum_last_axis_fixed_order)(x))
-    self.assertNotIn("reduce", jaxpr)
-
 
 if __name__ == "__main__":
   absltest.main()

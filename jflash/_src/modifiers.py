@@ -108,8 +108,7 @@ def sinks_gradient(sinks, lse2, delta):
   """
   p_sink = jnp.where(jnp.isinf(lse2), 0.0,
                      jnp.exp2(sinks[..., None] * numerics.LOG2_E - lse2))
-  # Summed in a fixed order: the same bits in every process.
-  return -numerics.sum_last_axis_fixed_order(p_sink * delta)
+  return -jnp.sum(p_sink * delta, axis=-1)
 
 
 def per_head(x: jax.Array | None, batch: int, num_heads: int):

@@ -100,22 +100,3 @@ def natural_lse_cotangent(dlse, lse2):
   """The cotangent of `natural_lse`'s output as the backward kernels take it:
   [B, T, N] -> [B, N, T], zero for rows without keys (whose p is 0)."""
   return jnp.where(jnp.isinf(lse2), 0.0, jnp.swapaxes(dlse, 1, 2))
-
-
-def sum_last_axis_fixed_order(x: jax.Array) -> jax.Array:
-  """The sum over x's last axis as a fixed binary tree of elementwise adds
-  (x[..., :h] + x[..., h:], halving; an odd length's last half padded with
-  a zero), with no XLA reduce: XLA fuses it as elementwise work, which
-  computes every output element the same way whatever tiling its autotuner
-  picks. A `jnp.sum` reduction's tiling is chosen per process by timing
-  candidates, and its bits change with it: the 16-bit Mosaic backward's dQ
-  and dK differed between two processes through delta = rowsum(dO * O)
-  until XLA's autotuning was turned off (H100, RECORD.md, 2026-11-26,
-  "where the 16-bit gradients differ across processes")."""
-  while x.shape[-1] > 1:
-    half = -(-x.shape[-1] // 2)
-    low, high = x[..., :half], x[..., half:]
-    if high.shape[-1] < half:
-      high = jnp.pad(high, [(0, 0)] * (x.ndim - 1) + [(0, 1)])
-    x = low + high
-  return x[..., 0]

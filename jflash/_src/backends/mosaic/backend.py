@@ -15,7 +15,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jflash._src import modifiers
-from jflash._src import numerics
 from jflash._src import paged
 from jflash._src import platform
 from jflash._src import registry
@@ -85,10 +84,14 @@ def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,
   `dlse`: the natural lse's cotangent, [B, N, T] (zero on rows without
   keys), or None.
   """
-  # delta = rowsum(dO * O) in float32, one fused XLA pass, summed in a
-  # fixed order: the same bits in every process.
-  delta = jnp.swapaxes(numerics.sum_last_axis_fixed_order(
-      dout.astype(jnp.float32) * out.astype(jnp.float32)), 1, 2)
+  # delta = rowsum(dO * O) in float32: one fused XLA reduction. Its bits
+  # (and so dQ's and dK's) follow the tiling XLA's autotuner picks in each
+  # process: equal run to run in a process, and across processes with
+  # --xla_gpu_autotune_level=0; a fixed-order sum of elementwise adds was
+  # the same in every process but cost up to 18% of fwd+bwd (RECORD.md,
+  # 2026-11-26, "delta summed in a fixed order").
+  delta = jnp.swapaxes(jnp.sum(
+      dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2)
   if dlse is not None:
     # d lse / d s_c = p_c: the lse's cotangent shifts delta (see the Triton
     # backend).
