@@ -12,13 +12,13 @@ setmaxnreg): no interpreter runs them, so CPU tests lower them for CUDA
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 
 from jflash._src import modifiers
 from jflash._src import paged
 from jflash._src import platform
 from jflash._src import registry
 from jflash._src.backends.mosaic import backward as backward_kernels
+from jflash._src.backends.mosaic import delta as delta_kernels
 from jflash._src.backends.mosaic import forward as forward_kernels
 from jflash._src.backends.mosaic import tuning
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
@@ -84,14 +84,9 @@ def backward(spec: CallSpec, config: MosaicConfig, operands: Operands, out,
   `dlse`: the natural lse's cotangent, [B, N, T] (zero on rows without
   keys), or None.
   """
-  # delta = rowsum(dO * O) in float32: one fused XLA reduction. Its bits
-  # (and so dQ's and dK's) follow the tiling XLA's autotuner picks in each
-  # process: equal run to run in a process, and across processes with
-  # --xla_gpu_autotune_level=0; a fixed-order sum of elementwise adds was
-  # the same in every process but cost up to 18% of fwd+bwd (RECORD.md,
-  # 2026-11-26, "delta summed in a fixed order").
-  delta = jnp.swapaxes(jnp.sum(
-      dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2)
+  # delta = rowsum(dO * O) in float32, by a kernel of fixed summation order
+  # (see delta.py: an XLA reduction's bits changed between processes).
+  delta = delta_kernels.delta_call(out, dout)
   if dlse is not None:
     # d lse / d s_c = p_c: the lse's cotangent shifts delta (see the Triton
     # backend).
