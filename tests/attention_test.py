@@ -6,6 +6,10 @@ XLA path.
 """
 
 import functools
+import os
+import subprocess
+import sys
+import tempfile
 from unittest import mock
 
 from absl.testing import absltest
@@ -253,6 +257,50 @@ class MosaicHeadDim256BackwardTest(parameterized.TestCase):
     chex.assert_trees_all_equal(results, again)
     test_util.assert_close_to_reference(self, results, q, k, v, dout,
                                         **kwargs)
+
+
+# One process's Mosaic fwd+bwd (D=128, causal with segments, bfloat16):
+# saves the output and the three gradients to argv[1].
+_GRADIENTS_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import jflash
+keys = jax.random.split(jax.random.key(0), 4)
+q, k, v, g = (jax.random.normal(key, (2, 1024, 8, 128), jnp.bfloat16)
+              for key in keys)
+ids = (jnp.arange(1024)[None] * 3 // 1024).astype(jnp.int32).repeat(2, 0)
+def loss(q, k, v):
+  out = jflash.flash_attention(q, k, v, is_causal=True, q_segment_ids=ids,
+                               kv_segment_ids=ids, implementation="mosaic")
+  return jnp.vdot(out.astype(jnp.float32), g.astype(jnp.float32)), out
+(_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(
+    q, k, v)
+np.savez(sys.argv[1], out=np.asarray(out, np.float32),
+         **{f"d{i}": np.asarray(x, np.float32) for i, x in enumerate(grads)})
+"""
+
+
+class MosaicCrossProcessDeterminismTest(absltest.TestCase):
+  """The Mosaic fwd+bwd gives the same bits in two processes (XLA's
+  autotuner picks per process; an XLA reduction for delta made dQ and dK
+  differ: RECORD 2026-11-26, "delta by a Mosaic kernel"). Hopper only."""
+
+  def setUp(self):
+    super().setUp()
+    test_util.skip_unless_mosaic_gpu(self)
+
+  def test_gradients_equal_in_two_processes(self):
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+      for run in range(2):
+        path = os.path.join(tmp, f"{run}.npz")
+        subprocess.run([sys.executable, "-c", _GRADIENTS_SCRIPT, path],
+                       check=True, env=os.environ.copy())
+        with np.load(path) as arrays:
+          results.append({name: arrays[name] for name in arrays.files})
+    for name in results[0]:
+      np.testing.assert_array_equal(results[0][name], results[1][name],
+                                    err_msg=name)
 
 
 if __name__ == "__main__":
