@@ -103,6 +103,7 @@ import numpy as np
 from jflash._src import modifiers
 from jflash._src import numerics
 from jflash._src.backends.mosaic import backend as mosaic_backend
+from jflash._src.backends.mosaic import delta as mosaic_delta
 from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.backends.mosaic.config import backward_splits_products
@@ -382,9 +383,16 @@ def _kernel_launches(case: Case, sizes: MosaicBlockSizes):
   with mock.patch.object(pipeline, "segment_inputs", recorded):
     (forward,) = _launches(
         functools.partial(mosaic_backend.forward, spec, config), operands)
-    dq, dkv = _launches(
+    delta, dq, dkv = _launches(
         functools.partial(mosaic_backend.backward, spec, config), operands,
         q, lse2, q)
+  # The backward's first launch computes delta (delta.py): a block per
+  # DELTA_ROWS rows of each (batch, head), every row covered.
+  rows = mosaic_delta.DELTA_ROWS
+  if (delta.grid != (spec.batch, spec.num_heads, -(-spec.q_len // rows))
+      or delta.out_shapes != ((spec.batch, spec.num_heads,
+                               delta.grid[2] * rows),)):
+    raise AssertionError(f"unexpected delta launch {delta} for {spec}")
   return (forward, dq, dkv), tuple(segment_calls)
 
 
