@@ -205,7 +205,7 @@ class SharedMemoryTest(absltest.TestCase):
                                                has_segments=segments)
         self.assertLessEqual(
             tiles.fp8_smem_bytes(head_dim, has_segments=segments),
-            config.SMEM_BYTES - config.FP8_SMEM_RESERVED_BYTES)
+            config.SMEM_BYTES - config.FORWARD_SMEM_RESERVED_BYTES)
     # Head dim 256: 128-key tiles (230,488 bytes asked, lowered for CUDA),
     # but 64-key ones with segment ids: with them, 128-key tiles asked
     # 232,536 bytes of 232,448 (lowered for CUDA, 2026-11-26).

@@ -12,7 +12,6 @@ setmaxnreg): no interpreter runs them, so CPU tests lower them for CUDA
 
 from __future__ import annotations
 
-
 from jflash._src import modifiers
 from jflash._src import paged
 from jflash._src import platform

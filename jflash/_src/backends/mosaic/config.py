@@ -18,7 +18,7 @@ SMEM_BUDGET_BYTES = SMEM_BYTES - 2048
 # forward, first run"): 2048 of Mosaic's default scratch for cross-warp
 # reductions, which the kernels no longer reserve (`pipeline.launch`), and
 # 88 of barriers: 1 KiB is left for those.
-FP8_SMEM_RESERVED_BYTES = 1024
+FORWARD_SMEM_RESERVED_BYTES = 1024
 # Bytes per q/k/v element of the 16-bit kernels (bfloat16, float16); the
 # FP8 forward takes FP8_DTYPE.
 ITEMSIZE = 2
@@ -94,7 +94,7 @@ class MosaicBlockSizes:
     the int32 segment ids of Q's rows and of the K ring. Measured: the FP8
     forward at D=256 with 128-key tiles asked 88 bytes (its barriers) past
     these allocations without segments, 2136 with Mosaic's reduction
-    scratch (see FP8_SMEM_RESERVED_BYTES)."""
+    scratch (see FORWARD_SMEM_RESERVED_BYTES)."""
     aligned = lambda n: -(-n // 1024) * 1024
     tiles = lambda rows, size: aligned(rows * head_dim * size)
     needed = (tiles(2 * self.block_q, itemsize)
@@ -115,7 +115,7 @@ class MosaicBlockSizes:
     them run without them, never over the limit."""
     return (self.aligned_forward_bytes(head_dim, itemsize, itemsize,
                                        has_segments=has_segments)
-            <= SMEM_BYTES - FP8_SMEM_RESERVED_BYTES)
+            <= SMEM_BYTES - FORWARD_SMEM_RESERVED_BYTES)
 
   def fp8_smem_bytes(self, head_dim: int, *, has_segments: bool = False
                      ) -> int:
@@ -124,17 +124,22 @@ class MosaicBlockSizes:
     return self.aligned_forward_bytes(head_dim, 1, 2,
                                       has_segments=has_segments)
 
+  def fits_fp8(self, head_dim: int, *, has_segments: bool = False) -> bool:
+    """Whether the FP8 forward's shared memory fits Hopper's (with
+    FORWARD_SMEM_RESERVED_BYTES left for barriers)."""
+    return (self.fp8_smem_bytes(head_dim, has_segments=has_segments)
+            <= SMEM_BYTES - FORWARD_SMEM_RESERVED_BYTES)
+
   def check_fits_fp8(self, head_dim: int, *, has_segments: bool = False
                      ) -> None:
-    """Raises ValueError if the FP8 forward's shared memory exceeds
-    Hopper's (with FP8_SMEM_RESERVED_BYTES left for barriers)."""
-    needed = self.fp8_smem_bytes(head_dim, has_segments=has_segments)
-    if needed > SMEM_BYTES - FP8_SMEM_RESERVED_BYTES:
+    """Raises ValueError where `fits_fp8` says no."""
+    if not self.fits_fp8(head_dim, has_segments=has_segments):
+      needed = self.fp8_smem_bytes(head_dim, has_segments=has_segments)
       raise ValueError(
           f"block_sizes={self} need {needed} bytes of shared memory in the "
           f"FP8 forward at head_dim={head_dim}"
           f"{' with segment ids' if has_segments else ''}; a Hopper block "
-          f"has {SMEM_BYTES - FP8_SMEM_RESERVED_BYTES} for its tiles.")
+          f"has {SMEM_BYTES - FORWARD_SMEM_RESERVED_BYTES} for its tiles.")
 
   def backward_smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the larger of the two backward kernels."""
@@ -174,7 +179,7 @@ class MosaicBlockSizes:
     for pass_, needed, budget in (
         ("forward", self.aligned_forward_bytes(
             head_dim, itemsize, has_segments=has_segments),
-         SMEM_BYTES - FP8_SMEM_RESERVED_BYTES),
+         SMEM_BYTES - FORWARD_SMEM_RESERVED_BYTES),
         ("backward", self.backward_smem_bytes(head_dim, itemsize),
          SMEM_BUDGET_BYTES)):
       if needed > budget:
@@ -263,8 +268,7 @@ def default_fp8_block_sizes(head_dim: int, *, has_segments: bool = False
   dim 256"), 64-key ones where segment ids leave no room for them."""
   if head_dim > 128:
     sizes = MosaicBlockSizes(block_kv=128)
-    if (sizes.fp8_smem_bytes(head_dim, has_segments=has_segments)
-        > SMEM_BYTES - FP8_SMEM_RESERVED_BYTES):
+    if not sizes.fits_fp8(head_dim, has_segments=has_segments):
       sizes = MosaicBlockSizes(block_kv=64)
   else:
     sizes = MosaicBlockSizes(block_kv=256)

@@ -25,6 +25,23 @@ from jflash._src.backends.mosaic import forward
 DELTA_ROWS = 64
 
 
+def delta_scratch(head_dim: int, dtype) -> tuple:
+  """The kernel's shared memory: an O and a dO tile (swizzled as the
+  forward's), the row sums, the load barrier."""
+  tile = plgpu.SMEM((DELTA_ROWS, head_dim), dtype,
+                    transforms=forward.smem_transforms(dtype))
+  return (tile, tile, plgpu.SMEM((DELTA_ROWS,), jnp.float32),
+          plgpu.Barrier(num_arrivals=2))
+
+
+def delta_smem_bytes(head_dim: int, itemsize: int) -> int:
+  """`delta_scratch`'s bytes as Mosaic allocates them (each allocation at
+  1 KiB alignment; the barrier within the last KiB)."""
+  aligned = lambda n: -(-n // 1024) * 1024
+  return (2 * aligned(DELTA_ROWS * head_dim * itemsize)
+          + aligned(DELTA_ROWS * 4) + 1024)
+
+
 def delta_call(out: jax.Array, dout: jax.Array) -> jax.Array:
   """rowsum(dout * out) of [batch, q_len, num_heads, head_dim] arrays:
   float32 [batch, num_heads, q_len]."""
@@ -34,7 +51,6 @@ def delta_call(out: jax.Array, dout: jax.Array) -> jax.Array:
   out = forward.pad_rows(out, forward.SEQ_ALIGN)
   dout = forward.pad_rows(dout, forward.SEQ_ALIGN)
   num_tiles = pl.cdiv(q_len, DELTA_ROWS)
-  transforms = forward.smem_transforms(out.dtype)
 
   def kernel(out_ref, dout_ref, delta_ref, scratch):
     out_tile, dout_tile, delta_tile, ready = scratch
@@ -60,12 +76,7 @@ def delta_call(out: jax.Array, dout: jax.Array) -> jax.Array:
       kernel,
       out_type=jax.ShapeDtypeStruct(
           (batch, num_heads, num_tiles * DELTA_ROWS), jnp.float32),
-      scratch_types=[(
-          plgpu.SMEM((DELTA_ROWS, head_dim), out.dtype, transforms=transforms),
-          plgpu.SMEM((DELTA_ROWS, head_dim), dout.dtype,
-                     transforms=transforms),
-          plgpu.SMEM((DELTA_ROWS,), jnp.float32),
-          plgpu.Barrier(num_arrivals=2))],
+      scratch_types=[delta_scratch(head_dim, out.dtype)],
       grid=(batch, num_heads, num_tiles),
       grid_names=("batch", "heads", "tiles"),
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
