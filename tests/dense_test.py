@@ -53,12 +53,13 @@ class DenseTest(test_base.BackendTestCase):
                                        dout, _NAMES)
 
   # On CPU only rank_2 runs: it becomes a bias shared by every batch
-  # element and head (the same kernel operand as "shared"); a per_batch
+  # element and head (the same kernel operand as "shared"); a per_head
   # bias and mask run in test_bfloat16_with_lengths_window_and_mqa (against
-  # jax.nn too) and test_fully_masked_rows, and per_head ones in
-  # test_soft_cap_segments_and_bottom_right, all with their dbias checked
-  # (shape included) against a reference: together they run every line of
-  # a full bias's index maps and dbias reduction in the interpreter.
+  # jax.nn too), and per_batch ones in
+  # test_soft_cap_segments_bottom_right_and_fully_masked_rows, all with
+  # their dbias checked (shape included) against a reference: together they
+  # run every line of a full bias's index maps and dbias reduction in the
+  # interpreter.
   @parameterized.named_parameters(*test_util.sweep(
       [("shared", (1, 1, T, S)), ("per_batch", (B, 1, T, S)),
        ("per_head", (1, N, T, S)), ("full", (B, N, T, S)),
@@ -77,7 +78,9 @@ class DenseTest(test_base.BackendTestCase):
     q, k, v, dout = test_util.random_inputs(
         91, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=1,
         dtype="bfloat16")
-    bias, mask = _bias_and_mask((B, 1, T, S), dtype="bfloat16", seed=1)
+    # Every valid row keeps a visible key (as jax.nn needs) with this seed's
+    # mask, the window and the key lengths.
+    bias, mask = _bias_and_mask((1, N, T, S), dtype="bfloat16", seed=2)
     kwargs = dict(mask=mask, is_causal=True, local_window_size=(13, 0),
                   query_seq_lengths=jnp.array([T, 23], jnp.int32),
                   key_value_seq_lengths=jnp.array([31, S], jnp.int32))
@@ -85,16 +88,27 @@ class DenseTest(test_base.BackendTestCase):
     self.assertEqual(results[-1].dtype, jnp.bfloat16)
     self._assert_close(results, q, k, v, bias, dout, **kwargs)
 
-  def test_soft_cap_segments_and_bottom_right(self):
-    # jax.nn has neither: against jflash's XLA path (bias after the cap).
+  def test_soft_cap_segments_bottom_right_and_fully_masked_rows(self):
+    # jax.nn has neither soft cap nor bottom-right alignment, nor outputs 0
+    # on a row that sees nothing: against jflash's XLA path (bias after the
+    # cap). Rows 5..20 of batch 0 are masked out entirely (batch 1's rows
+    # stay visible): output 0, zero gradients (dbias included), everything
+    # finite. One call for both checks: each kernel program costs seconds
+    # of compilation on CPU.
     q, k, v, dout = test_util.random_inputs(
         92, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K)
-    bias, mask = _bias_and_mask((1, N, T, S), seed=2)
+    bias, mask = _bias_and_mask((B, 1, T, S), seed=3)
+    mask = mask.at[0, :, 5:21].set(False)
     ids = jnp.asarray(np.repeat([[0, 1, 2, 3]], B, 0).repeat(14, 1))
     kwargs = dict(mask=mask, logits_soft_cap=2.0, is_causal=True,
                   causal_alignment="bottom_right",
                   q_segment_ids=ids[:, :T], kv_segment_ids=ids[:, :S])
-    results = self._results(q, k, v, bias, dout, **kwargs)
+    out, dq, dk, dv, dbias = results = self._results(q, k, v, bias, dout,
+                                                     **kwargs)
+    chex.assert_tree_all_finite(results)
+    for name, x in (("out", out[0, 5:21]), ("dq", dq[0, 5:21]),
+                    ("dbias", dbias[0, :, 5:21])):
+      np.testing.assert_array_equal(np.asarray(x), 0.0, err_msg=name)
     self._assert_close(results, q, k, v, bias, dout, xla=True, **kwargs)
 
   @absltest.skipIf(not test_util.ON_GPU, "shared memory limits the tiles "
@@ -109,21 +123,6 @@ class DenseTest(test_base.BackendTestCase):
     results = self._results(q, k, v, bias, dout, mask=mask,
                             block_sizes=None)
     self._assert_close(results, q, k, v, bias, dout, mask=mask)
-
-  def test_fully_masked_rows(self):
-    # Rows 5..20 of batch 0 see nothing: output 0, zero gradients (dbias
-    # included), everything finite.
-    q, k, v, dout = test_util.random_inputs(
-        93, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K)
-    bias, mask = _bias_and_mask((B, 1, T, S), seed=3)
-    mask = mask.at[0, :, 5:21].set(False)
-    out, dq, dk, dv, dbias = results = self._results(q, k, v, bias, dout,
-                                                     mask=mask)
-    chex.assert_tree_all_finite(results)
-    for name, x in (("out", out[0, 5:21]), ("dq", dq[0, 5:21]),
-                    ("dbias", dbias[0, :, 5:21])):
-      np.testing.assert_array_equal(np.asarray(x), 0.0, err_msg=name)
-    self._assert_close(results, q, k, v, bias, dout, xla=True, mask=mask)
 
   def test_mask_alone_and_unbatched(self):
     q, k, v, dout = test_util.random_inputs(

@@ -4,6 +4,8 @@ The flash_attention tests run per backend (tests/test_base.py): the Pallas
 kernels and the XLA path; the mask's statistics are backend-free.
 """
 
+import functools
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -50,6 +52,25 @@ class DropoutMaskTest(parameterized.TestCase):
       self.assertLess(abs(np.corrcoef(a, b)[0, 1]), 0.03)
 
 
+_LENGTHS = dict(query_seq_lengths=jnp.array([40, 19]),
+                key_value_seq_lengths=jnp.array([0, 50]))
+_EVERY_MODIFIER = dict(
+    is_causal=True, causal_alignment="bottom_right", logits_soft_cap=5.0,
+    sinks=jnp.array([0.5, -1.0]), alibi_slopes=jnp.array([0.5, 0.125]))
+_GRADIENT_CASES = (
+    ("causal_gqa_lengths", "float32", dict(is_causal=True, **_LENGTHS)),
+    ("bfloat16_with_every_modifier", "bfloat16", _EVERY_MODIFIER),
+    ("bfloat16_with_every_modifier_and_lengths", "bfloat16",
+     dict(_EVERY_MODIFIER, **_LENGTHS)),
+)
+
+# One jitted forward call for the tests below, as test_util.STEP for value
+# and gradients: equal functions (test_base.BoundFlash) on inputs of the
+# same shapes share one trace and compilation.
+_FORWARD = jax.jit(lambda fn, *args, **kwargs: fn(*args, **kwargs),
+                   static_argnums=0, static_argnames="dropout_rate")
+
+
 class DropoutTest(test_base.BackendTestCase):
 
   def test_forward_and_backward_masks_are_the_shared_function(self):
@@ -77,15 +98,14 @@ class DropoutTest(test_base.BackendTestCase):
     _within_binomial(self, int(forward_mask[0, 0].sum()), length * length,
                      1.0 - rate)
 
-  @parameterized.named_parameters(
-      ("causal_gqa_lengths", "float32", dict(
-          is_causal=True, query_seq_lengths=jnp.array([40, 19]),
-          key_value_seq_lengths=jnp.array([0, 50]))),
-      ("bfloat16_with_every_modifier", "bfloat16", dict(
-          is_causal=True, causal_alignment="bottom_right",
-          logits_soft_cap=5.0, sinks=jnp.array([0.5, -1.0]),
-          alibi_slopes=jnp.array([0.5, 0.125]))),
-  )
+  # On CPU the last case only: one interpreted program (each costs seconds
+  # to compile) with the lengths of the first (an empty key sequence, a
+  # short query) and every modifier of the second, in bfloat16. GQA is in
+  # every case. The mask is a hash of absolute (row, column) (dropout.py):
+  # no causal alignment moves it; the float32 kernels' masks are checked
+  # exactly by test_forward_and_backward_masks_are_the_shared_function.
+  @parameterized.named_parameters(*test_util.sweep(_GRADIENT_CASES,
+                                                   _GRADIENT_CASES[2:]))
   def test_gradients_match_the_xla_path_with_the_same_mask(self, dtype,
                                                            options):
     self.require_independent_reference()
@@ -102,9 +122,7 @@ class DropoutTest(test_base.BackendTestCase):
 
   def test_keys_rates_and_the_lse(self):
     q, k, v, _ = test_util.random_inputs(104, q_len=24, kv_len=24)
-    flash = jax.jit(self.flash(is_causal=True, return_residual=True,
-                               residual_dtype=jnp.float32),
-                    static_argnames="dropout_rate")
+    flash = functools.partial(_FORWARD, self._flash_with_lse())
     key1, key2 = jax.random.key(1), jax.random.key(2)
     out1, lse1 = flash(q, k, v, dropout_rate=0.5, dropout_rng=key1)
     chex.assert_trees_all_equal(
@@ -119,17 +137,24 @@ class DropoutTest(test_base.BackendTestCase):
                                 atol=1e-6)
     self.assertGreater(float(jnp.max(jnp.abs(out1 - plain))), 0.1)
 
+  def _flash_with_lse(self):
+    return self.flash(is_causal=True, return_residual=True,
+                      residual_dtype=jnp.float32)
+
   def test_vmap_over_keys_is_a_loop(self):
-    q, k, v, _ = test_util.random_inputs(105, batch=1, q_len=24, kv_len=24)
+    # The call and shapes of test_keys_rates_and_the_lse: the loop's
+    # program (_FORWARD) is compiled once for both tests.
+    q, k, v, _ = test_util.random_inputs(105, q_len=24, kv_len=24)
     keys = jax.random.split(jax.random.key(106), 2)
-    flash = lambda key: self.flash(dropout_rate=0.4, dropout_rng=key)(
-        q, k, v)
-    mapped = jax.jit(jax.vmap(flash))(keys)
-    single = jax.jit(flash)  # Compiled once for both keys.
+    fn = self._flash_with_lse()
+    mapped = jax.jit(jax.vmap(
+        lambda key: fn(q, k, v, dropout_rate=0.5, dropout_rng=key)))(keys)
     for i in range(2):
-      chex.assert_trees_all_close(mapped[i], single(keys[i]),
-                                  rtol=1e-6, atol=1e-6)
-    self.assertGreater(float(jnp.max(jnp.abs(mapped[0] - mapped[1]))), 0.1)
+      single = _FORWARD(fn, q, k, v, dropout_rate=0.5, dropout_rng=keys[i])
+      chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], mapped),
+                                  single, rtol=1e-6, atol=1e-6)
+    outs, _ = mapped
+    self.assertGreater(float(jnp.max(jnp.abs(outs[0] - outs[1]))), 0.1)
 
   def test_bad_options(self):
     q, k, v, _ = test_util.random_inputs(107, q_len=8, kv_len=8)

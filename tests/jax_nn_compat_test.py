@@ -67,6 +67,10 @@ _KEYWORD_CASES = (
     ("window", dict(local_window_size=(5, 3))),
     ("window_int_causal", dict(local_window_size=6, is_causal=True)),
     ("scale", dict(scale=0.2)),
+    # jax.nn's bias and mask, passed positionally (the third element).
+    ("positional_bias_and_mask", dict(is_causal=True), True),
+    ("positional_bias_and_mask_window_int_causal",
+     dict(local_window_size=20, is_causal=True), True),
 )
 
 
@@ -81,60 +85,67 @@ class JaxNnCompatTest(test_base.BackendTestCase):
       kwargs = dict(kwargs, **dict(zip(("bias", "mask"), args)))
     test_util.assert_close_to_jax_nn(self, results, q, k, v, dout, **kwargs)
 
-  # On CPU only "window_int_causal" runs: the others pass the same keywords
-  # to the same interpreted lines as tests that check them against jax.nn
-  # already (the interpreter's lines do not depend on these shapes):
-  # "plain" and "causal" as attention_test's, "lengths" (query and key
-  # lengths, causal) as attention_test.test_sequence_length_masks, "window"
-  # (a tuple window, not causal) as window_test's zero_window, and "scale"
-  # as attention_test.test_scale. An int window is taken here only.
+  # On CPU only the last case runs, one interpreted program (each costs
+  # seconds to compile) for the two checks this file alone makes: an int
+  # window (causal) and a positional bias and mask. Its window of 20 keeps
+  # most of the causal triangle (and tiles) under the bias and the mask.
+  # The others pass the same keywords to the same interpreted lines as
+  # tests that check them against jax.nn already (the interpreter's lines
+  # do not depend on these shapes): "plain" and "causal" as
+  # attention_test's, "lengths" (query and key lengths, causal) as
+  # attention_test.test_sequence_length_masks, "window" (a tuple window,
+  # not causal) as window_test's zero_window, and "scale" as
+  # attention_test.test_dtypes_and_scale.
   @parameterized.named_parameters(*test_util.sweep(
-      _KEYWORD_CASES, cpu_cases=[_KEYWORD_CASES[4]]))
-  def test_keywords(self, kwargs):
+      _KEYWORD_CASES, cpu_cases=_KEYWORD_CASES[-1:]))
+  def test_keywords(self, kwargs, positional_bias_and_mask=False):
+    """jax.nn's keywords (and, in the cases that say so, its bias and mask
+    passed positionally) give jax.nn's results."""
     q, k, v, dout = test_util.random_inputs(
         160, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K,
         head_dim=H)
-    self._same_as_jax_nn(q, k, v, dout, **kwargs)
+    args = _masks(162) if positional_bias_and_mask else ()
+    self._same_as_jax_nn(q, k, v, dout, *args, **kwargs)
 
-  def test_positional_bias_and_mask(self):
-    q, k, v, dout = test_util.random_inputs(
-        161, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K,
-        head_dim=H)
-    bias, mask = _masks(162)
-    self._same_as_jax_nn(q, k, v, dout, bias, mask, is_causal=True)
+  def _assert_residual_as_jax_nns(self, ours, q, k, v):
+    """(out, lse) of return_residual=True (causal) as jax.nn's: structure,
+    shapes, dtypes, and the lse's values."""
+    theirs = jax.jit(functools.partial(
+        jax.nn.dot_product_attention, is_causal=True,
+        return_residual=True))(q, k, v)
+    self.assertIsInstance(ours, tuple)
+    self.assertLen(ours, 2)
+    chex.assert_trees_all_equal_shapes_and_dtypes(ours, theirs)
+    # jax.nn rounds its lse to the input dtype: compare at that dtype.
+    chex.assert_trees_all_close(
+        ours[1].astype(jnp.float32), theirs[1].astype(jnp.float32),
+        atol=0.05 if q.dtype == jnp.bfloat16 else 1e-5, rtol=0.01)
 
-  def test_return_residual_structure_and_dtypes(self):
-    for dtype, unbatched in (("bfloat16", False), ("bfloat16", True)):
-      with self.subTest(dtype=dtype, unbatched=unbatched):
-        q, k, v, _ = test_util.random_inputs(
-            163, batch=1 if unbatched else B, q_len=T, kv_len=S,
-            num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype)
-        if unbatched:
-          q, k, v = q[0], k[0], v[0]
-        # Jitted: run eagerly, each operation compiles apart.
-        ours = jax.jit(self.flash(is_causal=True, return_residual=True))(
-            q, k, v)
-        theirs = jax.jit(functools.partial(
-            jax.nn.dot_product_attention, is_causal=True,
-            return_residual=True))(q, k, v)
-        self.assertIsInstance(ours, tuple)
-        self.assertLen(ours, 2)
-        chex.assert_trees_all_equal_shapes_and_dtypes(ours, theirs)
-        # jax.nn rounds its lse to the input dtype: compare at that dtype.
-        chex.assert_trees_all_close(
-            ours[1].astype(jnp.float32), theirs[1].astype(jnp.float32),
-            atol=0.05 if dtype == "bfloat16" else 1e-5, rtol=0.01)
+  def test_return_residual_structure_and_dtypes_unbatched(self):
+    # Batched inputs: checked on the forward of
+    # test_lse_gradient_with_a_cotangent_of_jax_nns_dtype (same call).
+    q, k, v, _ = test_util.random_inputs(
+        163, batch=1, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K,
+        head_dim=H, dtype="bfloat16")
+    q, k, v = q[0], k[0], v[0]
+    # Jitted: run eagerly, each operation compiles apart.
+    ours = jax.jit(self.flash(is_causal=True, return_residual=True))(
+        q, k, v)
+    self._assert_residual_as_jax_nns(ours, q, k, v)
 
   def test_lse_gradient_with_a_cotangent_of_jax_nns_dtype(self):
     # jax.nn's lse has a zero gradient; jflash's is the true one: checked
     # against a float32 formulation. The cotangents have jax.nn's dtypes,
-    # as code written for jax.nn passes them.
+    # as code written for jax.nn passes them. The (out, lse) of the
+    # forward is also jax.nn's return_residual, checked as such (batched
+    # inputs: test_return_residual_structure_and_dtypes_unbatched has the
+    # others).
     # On CPU bfloat16 only: its cotangents are cast where float32's are
     # already the residuals' dtype, through the same interpreted lines.
     for dtype in test_util.sweep(("float32", "bfloat16"), ("bfloat16",)):
       with self.subTest(dtype=dtype):
         q, k, v, dout = test_util.random_inputs(
-            164, batch=B, q_len=T, kv_len=T, num_heads=N, num_kv_heads=K,
+            164, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K,
             head_dim=H, dtype=dtype)
         dlse = jax.random.normal(jax.random.key(165), (B, T, N), dtype)
         fn = lambda q, k, v: self.flash(is_causal=True,
@@ -142,10 +153,12 @@ class JaxNnCompatTest(test_base.BackendTestCase):
 
         @jax.jit
         def results(q, k, v, dout, dlse, fn=fn):
-          (out, lse), vjp = jax.vjp(fn, q, k, v)
-          return out, lse, vjp((dout, dlse)), vjp((dout, 0.0 * dlse))
+          residual, vjp = jax.vjp(fn, q, k, v)
+          return residual, vjp((dout, dlse)), vjp((dout, 0.0 * dlse))
 
-        out, lse, grads, no_dlse = results(q, k, v, dout, dlse)
+        residual, grads, no_dlse = results(q, k, v, dout, dlse)
+        self._assert_residual_as_jax_nns(residual, q, k, v)
+        out, lse = residual
         @jax.jit
         def reference(q, k, v, dout, dlse):
           (out, lse), vjp = jax.vjp(

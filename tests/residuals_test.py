@@ -62,14 +62,22 @@ class ResidualsTest(test_base.BackendTestCase):
       chex.assert_tree_all_finite(ours[2:])
 
   def test_lse_matches_jax_nn_logsumexp(self):
-    q, k, v, _ = test_util.random_inputs(62, q_len=20, kv_len=30)
-    _, lse = self._flash(is_causal=True)(q, k, v)
+    # The call and shapes of test_lse_and_its_gradient_match_the_reference's
+    # causal_gqa case (groups of 2 query heads per key head): one compiled
+    # program for both tests, where a forward of its own compiled another.
+    q, k, v, dout = test_util.random_inputs(62, q_len=40, kv_len=56,
+                                            num_heads=4, num_kv_heads=2)
+    dlse = jnp.ones(q.shape[:3], jnp.float32)
+    _, lse, *_ = test_util.ALL_GRADS_STEP(self._flash(is_causal=True),
+                                          (dout, dlse), q, k, v)
+    # Query head h attends with key head h // 2, as in jax.nn.
+    k = jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)
     # HIGHEST: on a GPU the default precision of a float32 einsum is TF32.
     logits = jnp.einsum("btnd,bsnd->btns", q.astype(jnp.float32),
                         k.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST) / np.sqrt(
                             q.shape[-1])
-    causal = jnp.tril(jnp.ones((20, 30), bool))[None, :, None, :]
+    causal = jnp.tril(jnp.ones((40, 56), bool))[None, :, None, :]
     expected = jax.nn.logsumexp(jnp.where(causal, logits, -jnp.inf), -1)
     tolerance = tolerances.direct(q.dtype, float32=1e-5)
     chex.assert_trees_all_close(lse, expected, rtol=tolerance,
@@ -82,8 +90,11 @@ class ResidualsTest(test_base.BackendTestCase):
     flash = self._flash()
 
     def merged(q, k, v):
-      out1, lse1 = flash(q, k[:, :32], v[:, :32])
-      out2, lse2 = flash(q, k[:, 32:], v[:, 32:])
+      # Both shards in one call, stacked on the batch axis: one kernel
+      # program to compile, not two of the same.
+      shards = lambda x: jnp.concatenate([x[:, :32], x[:, 32:]])
+      out, lse = flash(jnp.concatenate([q, q]), shards(k), shards(v))
+      (out1, out2), (lse1, lse2) = jnp.split(out, 2), jnp.split(lse, 2)
       lse = jnp.logaddexp(lse1, lse2)[..., None]
       return (out1 * jnp.exp(lse1[..., None] - lse)
               + out2 * jnp.exp(lse2[..., None] - lse))
