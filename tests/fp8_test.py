@@ -50,9 +50,16 @@ def _fp8_inputs(seed, *, batch=BATCH, q_len=Q_LEN, kv_len=KV_LEN,
   q, k, v, _ = test_util.random_inputs(
       seed, batch=batch, q_len=q_len, kv_len=kv_len, num_heads=num_heads,
       num_kv_heads=num_kv_heads, head_dim=head_dim)
-  magnitude = lambda heads: jnp.asarray(
-      np.geomspace(0.25, 4.0, batch * heads, dtype=np.float32).reshape(
-          batch, 1, heads, 1))
+  return _scaled_and_quantized(q, k, v)
+
+
+@jax.jit
+def _scaled_and_quantized(q, k, v):
+  """_fp8_inputs's scaling and quantization, one program per shape (op by
+  op, each primitive compiles alone for every new shape)."""
+  batch, num_heads, num_kv_heads = q.shape[0], q.shape[2], k.shape[2]
+  magnitude = lambda heads: np.geomspace(
+      0.25, 4.0, batch * heads, dtype=np.float32).reshape(batch, 1, heads, 1)
   q = q * magnitude(num_heads) / 4.0
   k, v = k * magnitude(num_kv_heads), v * magnitude(num_kv_heads)[::-1]
   return jflash.quantize_qkv(q, k, v)

@@ -50,19 +50,24 @@ TOLERANCE = tolerances.direct("float32")
 
 
 def _inputs(seed=0, seq=T):
-  return test_util.random_inputs(seed, batch=B, q_len=seq, kv_len=seq,
-                                 num_heads=N, num_kv_heads=K, head_dim=H)
+  """q, k, v, dout as NumPy arrays: the tests permute them (load_balance)
+  and place them on meshes on the host, where JAX arrays would compile a
+  small program per shape and mesh for each (~0.05 s of CPU)."""
+  return tuple(map(np.asarray, test_util.random_inputs(
+      seed, batch=B, q_len=seq, kv_len=seq, num_heads=N, num_kv_heads=K,
+      head_dim=H)))
 
 
 def _segment_ids(seq=T):
   """(q ids, kv ids): packed sequences of different lengths per batch
   element, crossing shard boundaries. In batch element 1 the keys of
   segment 2 are relabeled, so its queries see no key on any device: their
-  rows must come out 0 (with sinks too), never NaN, as flash_attention's."""
+  rows must come out 0 (with sinks too), never NaN, as flash_attention's.
+  NumPy arrays, as `_inputs`."""
   q_ids = np.stack([np.arange(seq) // 23, np.arange(seq) // 11])
   kv_ids = q_ids.copy()
   kv_ids[1][kv_ids[1] == 2] = 99
-  return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
+  return q_ids.astype(np.int32), kv_ids.astype(np.int32)
 
 
 def _mesh(devices, axis_type=AxisType.Auto):
@@ -78,7 +83,7 @@ def _reference(seed, seq, is_causal, segments, sinks):
   fn = lambda q, k, v, *s: jflash.flash_attention(
       q, k, v, is_causal=is_causal, implementation="xla",
       q_segment_ids=q_ids, kv_segment_ids=kv_ids, sinks=s[0] if s else None)
-  args = (q, k, v) + ((jnp.asarray(SINKS),) if sinks else ())
+  args = (q, k, v) + ((SINKS,) if sinks else ())
   return jax.jit(functools.partial(test_util.value_and_all_grads, fn,
                                    dout))(*args)
 
@@ -98,11 +103,13 @@ class RingAttentionTest(parameterized.TestCase):
     against flash_attention: output and every gradient."""
     q, k, v, dout = _inputs(0, seq)
     q_ids, kv_ids = _segment_ids(seq) if segments else (None, None)
+    # On the host (NumPy), as `_inputs`: LoadBalanceTest covers the
+    # permutations of JAX arrays.
     if layout == "balanced":
-      into = lambda x: jflash.load_balance(x, devices)
-      back = lambda x: jflash.load_unbalance(x, devices)
+      into = lambda x: jflash.load_balance(np.asarray(x), devices)
+      back = lambda x: jflash.load_unbalance(np.asarray(x), devices)
     else:
-      into = back = lambda x: x
+      into = back = np.asarray
     mesh = _mesh(devices)
     if segments:
       q_ids, kv_ids = into(q_ids), into(kv_ids)
@@ -111,8 +118,7 @@ class RingAttentionTest(parameterized.TestCase):
         layout=layout, strategy=strategy, q_segment_ids=q_ids,
         kv_segment_ids=kv_ids, sinks=s[0] if s else None,
         **({"implementation": "xla"} | options))
-    args = tuple(map(into, (q, k, v))) + (
-        (jnp.asarray(SINKS),) if sinks else ())
+    args = tuple(map(into, (q, k, v))) + ((SINKS,) if sinks else ())
     with jax.set_mesh(mesh):
       out, *grads = jax.jit(functools.partial(
           test_util.value_and_all_grads, fn, into(dout)))(*args)
@@ -165,7 +171,7 @@ class RingAttentionTest(parameterized.TestCase):
       put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
       out, *grads = jax.jit(functools.partial(
           test_util.value_and_all_grads, fn, put(dout)))(
-              put(q), put(k), put(v), jnp.asarray(SINKS))
+              put(q), put(k), put(v), SINKS)
     self.assertEqual(out.sharding.spec, P("data", AXIS, "heads", None))
     for grad in grads[:3]:
       self.assertEqual(grad.sharding.spec, P("data", AXIS, "heads", None))
@@ -189,8 +195,8 @@ class RingAttentionTest(parameterized.TestCase):
     with jax.set_mesh(mesh):
       out, *grads = jax.jit(functools.partial(
           test_util.value_and_all_grads, fn, into(dout)))(
-              into(q), into(k), into(v), jnp.asarray(SINKS))
-    back = lambda x: jflash.load_unbalance(x, 4)
+              into(q), into(k), into(v), SINKS)
+    back = lambda x: jflash.load_unbalance(np.asarray(x), 4)
     results = (back(out), *map(back, grads[:3]), grads[3])
     chex.assert_trees_all_close(results, _reference(0, T, True, False, True),
                                 atol=TOLERANCE, rtol=TOLERANCE)

@@ -46,23 +46,26 @@ def _mesh(kind):
 
 
 def _inputs(seed=0, num_kv_heads=K):
-  q, k, v, dout = test_util.random_inputs(
+  """q, k, v, dout as NumPy arrays: placed on a mesh from the host, where a
+  JAX array on one device would compile a small program per shape and mesh
+  to be split (~0.05 s of CPU each)."""
+  return tuple(map(np.asarray, test_util.random_inputs(
       seed, batch=B, q_len=T, kv_len=T, num_heads=N,
-      num_kv_heads=num_kv_heads, head_dim=H)
-  return q, k, v, dout
+      num_kv_heads=num_kv_heads, head_dim=H)))
 
 
 def _options(seed=1):
   """Lengths, segment ids, a head-broadcast bias and sinks: every operand
-  kind the layout table has."""
-  keys = jax.random.split(jax.random.key(seed), 3)
+  kind the layout table has. Drawn with NumPy, as `_inputs` (jax.random
+  compiles its samplers)."""
+  rng = np.random.default_rng(seed)
   ids = jnp.asarray(np.stack([np.arange(T) // 11] * B), jnp.int32)
   return dict(
       is_causal=True, query_seq_lengths=jnp.array([T, 31, 17, T]),
       key_value_seq_lengths=jnp.array([T, T, 25, 9]),
       q_segment_ids=ids, kv_segment_ids=ids,
-      bias=jax.random.normal(keys[0], (1, N, T, T)),
-      sinks=jax.random.normal(keys[1], (N,)))
+      bias=rng.standard_normal((1, N, T, T), np.float32),
+      sinks=jnp.asarray(rng.standard_normal((N,), np.float32)))
 
 
 def _gathers_of(hlo: str, shapes) -> list[str]:
@@ -187,9 +190,10 @@ class ShardingTest(test_base.BackendTestCase):
     # every batch element, never split along the pages (forward only).
     q, k, v, _ = _inputs()
     page, per_sequence = 16, -(-T // 16)
-    # Keys padded to whole pages; the lengths hide the padding.
-    k, v = (jnp.pad(x, [(0, 0), (0, page * per_sequence - T), (0, 0),
-                        (0, 0)]) for x in (k, v))
+    # Keys padded to whole pages; the lengths hide the padding. (On the
+    # host, as `_inputs`.)
+    k, v = (np.pad(x, [(0, 0), (0, page * per_sequence - T), (0, 0),
+                       (0, 0)]) for x in (k, v))
     order = np.random.default_rng(0).permutation(B * per_sequence)
     pool = lambda x: x.reshape(B * per_sequence, page, K, H)[order]
     table = jnp.asarray(np.argsort(order).reshape(B, per_sequence),
@@ -258,7 +262,7 @@ class ShardingTest(test_base.BackendTestCase):
 
   def test_vmap_of_sharded_inputs(self):
     q, k, v, _ = _inputs()
-    stacked = [jnp.stack([x, 2.0 * x]) for x in (q, k, v)]
+    stacked = [np.stack([x, 2.0 * x]) for x in (q, k, v)]
     expected = _unsharded(
         jax.vmap(functools.partial(jflash.flash_attention,
                                    implementation="xla")),
@@ -283,44 +287,59 @@ class OneDeviceMeshTest(test_base.BackendTestCase):
     self.require_kernels("the one-device cases are about pallas_call under "
                          "a mesh; the 8-device cases cover the xla backend")
 
+  def _call(self, shared_bias: bool):
+    """(fn, args, dout, expected): with `shared_bias`, a causal call with a
+    bias shared by the batch (test_inside_a_user_shard_map_of_one_device's),
+    else a plain call; `expected`, its values and all gradients off the
+    mesh, is computed once per target for every case that makes the call."""
+    q, k, v, dout = _inputs()
+    if shared_bias:
+      flash = self.flash(is_causal=True)
+      args = (q, k, v, _options()["bias"])
+    else:
+      flash = self.flash()
+      args = (q, k, v)
+    fn = lambda *a: flash(*a)
+    expected = _unsharded(
+        functools.partial(test_util.value_and_all_grads, fn, dout), args,
+        key=(self.implementation, "one device", shared_bias))
+    return fn, args, dout, expected
+
   @parameterized.parameters("explicit", "auto")
   def test_one_device_mesh_runs_the_same_kernels(self, mesh_kind):
-    q, k, v, dout = _inputs()
+    # The call of test_inside_a_user_shard_map_of_one_device where the
+    # target takes its bias: they share the call off the mesh (on the CPU
+    # an interpreted program less). The Mosaic kernels take no bias: a
+    # plain call there.
+    fn, args, dout, expected = self._call(
+        shared_bias="bias" in self.backend.capabilities.options)
+    step = functools.partial(test_util.value_and_all_grads, fn, dout)
     types = (AxisType.Explicit if mesh_kind == "explicit"
              else AxisType.Auto,)
     mesh = jax.make_mesh((1,), ("data",), axis_types=types,
                          devices=jax.devices()[:1])
-    fn = lambda *a: test_util.value_and_grads(self.flash(), *a, dout)
-    plain = jax.make_jaxpr(fn)(q, k, v)
+    plain = jax.make_jaxpr(step)(*args)
     with jax.set_mesh(mesh):
-      sharded = [jax.device_put(x, NamedSharding(mesh, P("data")))
-                 for x in (q, k, v)]
+      put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+      # The bias is shared: replicated.
+      sharded = ([put(x, P("data")) for x in args[:3]]
+                 + [put(bias, P()) for bias in args[3:]])
       expected_placement = (
           sharding.EXPLICIT if mesh_kind == "explicit"
           else sharding.SINGLE if jax.device_count() == 1
           else sharding.PARTITIONED)
       self.assertEqual(sharding.placement(sharded[0]), expected_placement)
-      on_mesh = jax.make_jaxpr(fn)(*sharded)
-      results = jax.jit(fn)(*sharded)
+      on_mesh = jax.make_jaxpr(step)(*sharded)
+      results = jax.jit(step)(*sharded)
     self.assertEqual(test_util.kernel_jaxprs(on_mesh),
                      test_util.kernel_jaxprs(plain))
-    # The call off the mesh, computed once for both mesh kinds.
-    expected = _unsharded(fn, (q, k, v),
-                          key=(self.implementation, "one device, plain"))
     chex.assert_trees_all_close(results, expected, atol=1e-6, rtol=1e-6)
 
   @parameterized.parameters(False, True)
   def test_inside_a_user_shard_map_of_one_device(self, check_vma):
-    q, k, v, dout = _inputs()
-    bias = _options()["bias"]
+    fn, args, dout, expected = self._call(shared_bias=True)
     mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,),
                          devices=jax.devices()[:1])
-    fn = lambda q, k, v, bias: self.flash(is_causal=True)(q, k, v, bias)
-    args = (q, k, v, bias)
-    # Off the mesh, computed once for both check_vma cases.
-    expected = _unsharded(
-        functools.partial(test_util.value_and_all_grads, fn, dout), args,
-        key=(self.implementation, "one device, user shard_map"))
     spec = P("data")
     inner = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, P()),
                           out_specs=spec, check_vma=check_vma)
@@ -328,7 +347,7 @@ class OneDeviceMeshTest(test_base.BackendTestCase):
              else contextlib.nullcontext())
     with jax.set_mesh(mesh), patch:
       put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
-      sharded = [put(q, spec), put(k, spec), put(v, spec), put(bias, P())]
+      sharded = [put(x, spec) for x in args[:3]] + [put(args[3], P())]
       result = jax.jit(functools.partial(
           test_util.value_and_all_grads, inner, put(dout, spec)))(*sharded)
     chex.assert_trees_all_close(result, expected, atol=1e-5, rtol=1e-5)
