@@ -64,13 +64,6 @@ _GRADIENT_CASES = (
      dict(_EVERY_MODIFIER, **_LENGTHS)),
 )
 
-# One jitted forward call for the tests below, as test_util.STEP for value
-# and gradients: equal functions (test_base.BoundFlash) on inputs of the
-# same shapes share one trace and compilation.
-_FORWARD = jax.jit(lambda fn, *args, **kwargs: fn(*args, **kwargs),
-                   static_argnums=0, static_argnames="dropout_rate")
-
-
 class DropoutTest(test_base.BackendTestCase):
 
   def test_forward_and_backward_masks_are_the_shared_function(self):
@@ -122,7 +115,7 @@ class DropoutTest(test_base.BackendTestCase):
 
   def test_keys_rates_and_the_lse(self):
     q, k, v, _ = test_util.random_inputs(104, q_len=24, kv_len=24)
-    flash = functools.partial(_FORWARD, self._flash_with_lse())
+    flash = functools.partial(test_util.CALL, self._flash_with_lse())
     key1, key2 = jax.random.key(1), jax.random.key(2)
     out1, lse1 = flash(q, k, v, dropout_rate=0.5, dropout_rng=key1)
     chex.assert_trees_all_equal(
@@ -143,14 +136,15 @@ class DropoutTest(test_base.BackendTestCase):
 
   def test_vmap_over_keys_is_a_loop(self):
     # The call and shapes of test_keys_rates_and_the_lse: the loop's
-    # program (_FORWARD) is compiled once for both tests.
+    # program (test_util.CALL) is compiled once for both tests.
     q, k, v, _ = test_util.random_inputs(105, q_len=24, kv_len=24)
     keys = jax.random.split(jax.random.key(106), 2)
     fn = self._flash_with_lse()
     mapped = jax.jit(jax.vmap(
         lambda key: fn(q, k, v, dropout_rate=0.5, dropout_rng=key)))(keys)
     for i in range(2):
-      single = _FORWARD(fn, q, k, v, dropout_rate=0.5, dropout_rng=keys[i])
+      single = test_util.CALL(fn, q, k, v, dropout_rate=0.5,
+                              dropout_rng=keys[i])
       chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], mapped),
                                   single, rtol=1e-6, atol=1e-6)
     outs, _ = mapped

@@ -287,59 +287,44 @@ class OneDeviceMeshTest(test_base.BackendTestCase):
     self.require_kernels("the one-device cases are about pallas_call under "
                          "a mesh; the 8-device cases cover the xla backend")
 
-  def _call(self, shared_bias: bool):
-    """(fn, args, dout, expected): with `shared_bias`, a causal call with a
-    bias shared by the batch (test_inside_a_user_shard_map_of_one_device's),
-    else a plain call; `expected`, its values and all gradients off the
-    mesh, is computed once per target for every case that makes the call."""
-    q, k, v, dout = _inputs()
-    if shared_bias:
-      flash = self.flash(is_causal=True)
-      args = (q, k, v, _options()["bias"])
-    else:
-      flash = self.flash()
-      args = (q, k, v)
-    fn = lambda *a: flash(*a)
-    expected = _unsharded(
-        functools.partial(test_util.value_and_all_grads, fn, dout), args,
-        key=(self.implementation, "one device", shared_bias))
-    return fn, args, dout, expected
-
   @parameterized.parameters("explicit", "auto")
   def test_one_device_mesh_runs_the_same_kernels(self, mesh_kind):
-    # The call of test_inside_a_user_shard_map_of_one_device where the
-    # target takes its bias: they share the call off the mesh (on the CPU
-    # an interpreted program less). The Mosaic kernels take no bias: a
-    # plain call there.
-    fn, args, dout, expected = self._call(
-        shared_bias="bias" in self.backend.capabilities.options)
-    step = functools.partial(test_util.value_and_all_grads, fn, dout)
+    q, k, v, dout = _inputs()
     types = (AxisType.Explicit if mesh_kind == "explicit"
              else AxisType.Auto,)
     mesh = jax.make_mesh((1,), ("data",), axis_types=types,
                          devices=jax.devices()[:1])
-    plain = jax.make_jaxpr(step)(*args)
+    fn = lambda *a: test_util.value_and_grads(self.flash(), *a, dout)
+    plain = jax.make_jaxpr(fn)(q, k, v)
     with jax.set_mesh(mesh):
-      put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
-      # The bias is shared: replicated.
-      sharded = ([put(x, P("data")) for x in args[:3]]
-                 + [put(bias, P()) for bias in args[3:]])
+      sharded = [jax.device_put(x, NamedSharding(mesh, P("data")))
+                 for x in (q, k, v)]
       expected_placement = (
           sharding.EXPLICIT if mesh_kind == "explicit"
           else sharding.SINGLE if jax.device_count() == 1
           else sharding.PARTITIONED)
       self.assertEqual(sharding.placement(sharded[0]), expected_placement)
-      on_mesh = jax.make_jaxpr(step)(*sharded)
-      results = jax.jit(step)(*sharded)
+      on_mesh = jax.make_jaxpr(fn)(*sharded)
+      results = jax.jit(fn)(*sharded)
     self.assertEqual(test_util.kernel_jaxprs(on_mesh),
                      test_util.kernel_jaxprs(plain))
+    # The call off the mesh, computed once for both mesh kinds.
+    expected = _unsharded(fn, (q, k, v),
+                          key=(self.implementation, "one device, plain"))
     chex.assert_trees_all_close(results, expected, atol=1e-6, rtol=1e-6)
 
   @parameterized.parameters(False, True)
   def test_inside_a_user_shard_map_of_one_device(self, check_vma):
-    fn, args, dout, expected = self._call(shared_bias=True)
+    q, k, v, dout = _inputs()
+    bias = _options()["bias"]
     mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,),
                          devices=jax.devices()[:1])
+    fn = lambda q, k, v, bias: self.flash(is_causal=True)(q, k, v, bias)
+    args = (q, k, v, bias)
+    # Off the mesh, computed once for both check_vma cases.
+    expected = _unsharded(
+        functools.partial(test_util.value_and_all_grads, fn, dout), args,
+        key=(self.implementation, "one device, user shard_map"))
     spec = P("data")
     inner = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, P()),
                           out_specs=spec, check_vma=check_vma)
@@ -347,7 +332,7 @@ class OneDeviceMeshTest(test_base.BackendTestCase):
              else contextlib.nullcontext())
     with jax.set_mesh(mesh), patch:
       put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
-      sharded = [put(x, spec) for x in args[:3]] + [put(args[3], P())]
+      sharded = [put(q, spec), put(k, spec), put(v, spec), put(bias, P())]
       result = jax.jit(functools.partial(
           test_util.value_and_all_grads, inner, put(dout, spec)))(*sharded)
     chex.assert_trees_all_close(result, expected, atol=1e-5, rtol=1e-5)

@@ -138,6 +138,11 @@ def value_and_all_grads(fn, dout, *args):
 # equal functions (test_base.BoundFlash) reuse one trace and compilation.
 STEP = jax.jit(value_and_grads, static_argnums=0)
 ALL_GRADS_STEP = jax.jit(value_and_all_grads, static_argnums=0)
+# The same for a call alone, fn(*args, **kwargs) (where two `jax.jit(fn)`
+# of equal functions would trace and compile twice); a dropout rate is a
+# Python float the call checks, so it stays static.
+CALL = jax.jit(lambda fn, *args, **kwargs: fn(*args, **kwargs),
+               static_argnums=0, static_argnames="dropout_rate")
 
 
 def _fingerprint(*trees) -> str:

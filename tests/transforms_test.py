@@ -15,12 +15,6 @@ from tests import test_util
 from tests import tolerances
 
 
-# jax.jit of a call, for the tests below: equal functions
-# (test_base.BoundFlash) on inputs of the same shapes share one trace and
-# compilation (as test_util.STEP), where two jax.jit(fn) would not.
-_JIT = jax.jit(lambda fn, *args: fn(*args), static_argnums=0)
-
-
 class TransformsTest(test_base.BackendTestCase):
 
   def _loss(self, fn, dout):
@@ -60,7 +54,8 @@ class TransformsTest(test_base.BackendTestCase):
     inner = jax.vmap(fn)
     outer = jax.jit(jax.vmap(inner, in_axes=(0, None, None)))
     out = outer(q2, k, v)
-    expected = jnp.stack([_JIT(fn, q, k, v), _JIT(fn, 2.0 * q, k, v)])
+    expected = jnp.stack([test_util.CALL(fn, q, k, v),
+                          test_util.CALL(fn, 2.0 * q, k, v)])
     self._assert_same(out, expected)
 
   def test_vmap_of_lengths(self):
@@ -88,7 +83,7 @@ class TransformsTest(test_base.BackendTestCase):
     # loop's jitted program is this one (compiled once for both tests).
     q, k, v, _ = test_util.random_inputs(24, q_len=20, kv_len=24)
     fn = self.flash()
-    chex.assert_trees_all_close(_JIT(fn, q, k, v), fn(q, k, v),
+    chex.assert_trees_all_close(test_util.CALL(fn, q, k, v), fn(q, k, v),
                                 rtol=1e-6, atol=1e-6)
 
   def test_higher_order_derivatives(self):
