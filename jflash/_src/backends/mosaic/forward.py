@@ -87,6 +87,7 @@ import numpy as np
 
 from jflash._src import numerics
 from jflash._src import sharding
+from jflash._src.backends.mosaic import fast_exp2
 from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.spec import CallSpec
@@ -139,6 +140,10 @@ Q_PREFETCH = True
 # Q-prefetch changes"): on / off 1.035 at D=64, 0.963 at D=128, 0.980 at
 # D=256, 0.960 at D=128 causal.
 FP8_Q_PREFETCH_HEAD_DIMS = (64,)
+# The softmax's exp2 partly on the FMA pipe (`fast_exp2`): (share, period)
+# of the probabilities' registers by (8-bit operands, head dim); absent:
+# all on MUFU. A module switch for A/B runs, read when a call is traced.
+EXP2_EMULATED: dict = {}
 
 
 def q_prefetch(fp8: bool, head_dim: int) -> bool:
@@ -444,6 +449,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     tile_shape = (block_q, block_kv)
+    exp2_emulated = EXP2_EMULATED.get((fp8, head_dim))
 
     segment_tiles = functools.partial(
         pipeline.key_tile_segment_ids, row_segments,
@@ -478,8 +484,8 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
       if soft_cap is None and kind == "full":
         scale2 = logit_scale * numerics.LOG2_E
         new_max = jnp.maximum(row_max, s.max(axis=1) * scale2)
-        probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(
-            _minus(new_max, p_shift), tile_shape, [0]))
+        probs = fast_exp2.exp2(s * scale2 - lax.broadcast_in_dim(
+            _minus(new_max, p_shift), tile_shape, [0]), exp2_emulated)
       else:
         logits, _ = numerics.logits_base2(s, scale=logit_scale,
                                           soft_cap=soft_cap)
@@ -496,8 +502,8 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
               block.offset, *segment_tiles(slot))
           logits = jnp.where(seen, logits, numerics.MASK_VALUE)
         new_max = jnp.maximum(row_max, logits.max(axis=1))
-        probs = jnp.exp2(logits - lax.broadcast_in_dim(
-            _minus(new_max, p_shift), tile_shape, [0]))
+        probs = fast_exp2.exp2(logits - lax.broadcast_in_dim(
+            _minus(new_max, p_shift), tile_shape, [0]), exp2_emulated)
         if kind == "masked":
           # Exact zeros, also for rows that have seen no visible key yet
           # (their max is MASK_VALUE and the line above gives 1).
