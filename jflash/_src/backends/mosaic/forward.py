@@ -87,7 +87,6 @@ import numpy as np
 
 from jflash._src import numerics
 from jflash._src import sharding
-from jflash._src.backends.mosaic import fast_exp2
 from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
 from jflash._src.spec import CallSpec
@@ -140,22 +139,6 @@ Q_PREFETCH = True
 # Q-prefetch changes"): on / off 1.035 at D=64, 0.963 at D=128, 0.980 at
 # D=256, 0.960 at D=128 causal.
 FP8_Q_PREFETCH_HEAD_DIMS = (64,)
-# The softmax's exp2 partly on the FMA pipe (`fast_exp2`): (share, period)
-# of the probabilities' registers by (8-bit operands, head dim); absent:
-# all on MUFU. A module switch for A/B runs, read when a call is traced.
-EXP2_EMULATED: dict = {}
-
-
-# FlashAttention-3's intra-warpgroup overlap in the forward (`consume`'s
-# `overlapped_step`): the (8-bit operands, head dim, key tile) it is on
-# for. A module switch for A/B runs, read when a call is traced.
-INTRA_WARPGROUP_OVERLAP: frozenset = frozenset()
-
-
-def overlaps(fp8: bool, head_dim: int, block_kv: int) -> bool:
-  """Whether the forward overlaps a warpgroup's softmax with its own P V
-  (INTRA_WARPGROUP_OVERLAP), in runs of static bounds."""
-  return (fp8, head_dim, block_kv) in INTRA_WARPGROUP_OVERLAP
 
 
 def q_prefetch(fp8: bool, head_dim: int) -> bool:
@@ -461,19 +444,33 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     tile_shape = (block_q, block_kv)
-    exp2_emulated = EXP2_EMULATED.get((fp8, head_dim))
-    overlap = overlaps(fp8, head_dim, block_kv)
 
     segment_tiles = functools.partial(
         pipeline.key_tile_segment_ids, row_segments,
         None if kv_ids is None else kv_ids[1], tile_shape=tile_shape)
 
-    def softmax(s, row_max, row_sum, kv_step, slot, kind: str, acc=None):
-      """The online softmax of a tile's scores s: (acc, new_max, row_sum,
-      probs, correction), probs in the operand dtype (FP8: relabelled),
-      `correction` the factor of what was accumulated before this tile.
-      With `acc` (no product pending on it), acc rescaled by it; else
-      acc is None and the caller rescales once its P V is done."""
+    def step(kv_step, carry, *, kind: str):
+      acc, row_max, row_sum = carry
+      slot = slot_of(kv_step)
+      plgpu.barrier_wait(scratch.k_ready.at[slot])
+      if kind == "skip":
+        # Outside this warpgroup's rows: keep the barriers' phases and the
+        # ping-pong in step with the other consumer, compute nothing.
+        plgpu.barrier_arrive(scratch.k_consumed.at[slot])
+        plgpu.barrier_wait(scratch.v_ready.at[slot])
+        plgpu.barrier_arrive(scratch.v_consumed.at[slot])
+        turns.signal()
+        turns.wait()
+        return carry
+
+      def scores(acc_ref):
+        plgpu.wgmma(acc_ref, q_tile, scratch.k.at[slot].T)
+        turns.signal()
+        return acc_ref[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
+      plgpu.barrier_arrive(scratch.k_consumed.at[slot])
+
       # Base-2 logits; without a cap or mask the scale is applied to the
       # row max (one multiply per row) and fused into the exponent.
       # With FP8, the probabilities are exp2(logit - max + p_shift) (see
@@ -481,8 +478,8 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
       if soft_cap is None and kind == "full":
         scale2 = logit_scale * numerics.LOG2_E
         new_max = jnp.maximum(row_max, s.max(axis=1) * scale2)
-        probs = fast_exp2.exp2(s * scale2 - lax.broadcast_in_dim(
-            _minus(new_max, p_shift), tile_shape, [0]), exp2_emulated)
+        probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(
+            _minus(new_max, p_shift), tile_shape, [0]))
       else:
         logits, _ = numerics.logits_base2(s, scale=logit_scale,
                                           soft_cap=soft_cap)
@@ -499,15 +496,14 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
               block.offset, *segment_tiles(slot))
           logits = jnp.where(seen, logits, numerics.MASK_VALUE)
         new_max = jnp.maximum(row_max, logits.max(axis=1))
-        probs = fast_exp2.exp2(logits - lax.broadcast_in_dim(
-            _minus(new_max, p_shift), tile_shape, [0]), exp2_emulated)
+        probs = jnp.exp2(logits - lax.broadcast_in_dim(
+            _minus(new_max, p_shift), tile_shape, [0]))
         if kind == "masked":
           # Exact zeros, also for rows that have seen no visible key yet
           # (their max is MASK_VALUE and the line above gives 1).
           probs = jnp.where(seen, probs, 0.0)
       correction = jnp.exp2(row_max - new_max)
-      if acc is not None:
-        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+      acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
       row_sum = row_sum * correction + probs.sum(axis=1)
       probs = probs.astype(dtype)
       if fp8:
@@ -517,37 +513,8 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         # ping-pong below.
         probs = relabel_for_8bit_operand(probs)
         if FP8_SOFTMAX_BARRIER:
-          if acc is None:
-            new_max, row_sum, probs, correction = lax.optimization_barrier(
-                (new_max, row_sum, probs, correction))
-          else:
-            acc, new_max, row_sum, probs = lax.optimization_barrier(
-                (acc, new_max, row_sum, probs))
-      return acc, new_max, row_sum, probs, correction
-
-    def scores_and_softmax(kv_step, slot, carry, *, kind: str):
-      """A step's first half (its tile in ring slot `slot`): S = Q K^T
-      (this consumer's turn on the tensor cores ends once it is issued),
-      then its softmax, with no product pending: (acc, row_max, row_sum,
-      probs)."""
-      acc, row_max, row_sum = carry
-
-      def scores(acc_ref):
-        plgpu.wgmma(acc_ref, q_tile, scratch.k.at[slot].T)
-        turns.signal()
-        return acc_ref[...]
-
-      s = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
-      plgpu.barrier_arrive(scratch.k_consumed.at[slot])
-      acc, new_max, row_sum, probs, _ = softmax(s, row_max, row_sum,
-                                                kv_step, slot, kind, acc)
-      return acc, new_max, row_sum, probs
-
-    def value_product(slot, carry):
-      """A step's second half (its tile in ring slot `slot`): O += P V,
-      once this consumer's turn has come (the other has issued its
-      products)."""
-      acc, new_max, row_sum, probs = carry
+          acc, new_max, row_sum, probs = lax.optimization_barrier(
+              (acc, new_max, row_sum, probs))
       plgpu.barrier_wait(scratch.v_ready.at[slot])
       # Until the other consumer has issued its Q K^T.
       turns.wait()
@@ -561,77 +528,6 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
       acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(scratch.v_consumed.at[slot])
       return acc, new_max, row_sum
-
-    def step(kv_step, carry, *, kind: str):
-      slot = slot_of(kv_step)
-      plgpu.barrier_wait(scratch.k_ready.at[slot])
-      if kind == "skip":
-        # Outside this warpgroup's rows: keep the barriers' phases and the
-        # ping-pong in step with the other consumer, compute nothing.
-        plgpu.barrier_arrive(scratch.k_consumed.at[slot])
-        plgpu.barrier_wait(scratch.v_ready.at[slot])
-        plgpu.barrier_arrive(scratch.v_consumed.at[slot])
-        turns.signal()
-        turns.wait()
-        return carry
-      return value_product(slot, scores_and_softmax(kv_step, slot, carry,
-                                                    kind=kind))
-
-    def overlapped_step(kv_step, carry, *, kind: str):
-      """Step kv_step after a run's first (FlashAttention-3's
-      intra-warpgroup overlap): S of this step's tile and P V of the
-      previous step's are issued together, in that order; S is read as
-      soon as its product is done (wgmma groups complete in order:
-      wait_n=1 leaves P V running) and its softmax runs under P V; the
-      accumulator, P V added, then takes the softmax's correction."""
-      acc, row_max, row_sum, probs = carry
-      slot, previous = slot_of(kv_step), slot_of(kv_step - 1)
-      plgpu.barrier_wait(scratch.k_ready.at[slot])
-      plgpu.barrier_wait(scratch.v_ready.at[previous])
-      # Until the other consumer has issued its products.
-      turns.wait()
-
-      def products(refs):
-        acc_ref, probs_ref, max_ref, sum_ref, correction_ref = refs
-
-        def scores(s_ref):
-          plgpu.wgmma(s_ref, q_tile, scratch.k.at[slot].T)
-          value = scratch.v.at[previous]
-          plgpu.wgmma(acc_ref, probs_ref[...], value.T if fp8 else value)
-          turns.signal()
-          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-          plgpu.barrier_arrive(scratch.k_consumed.at[slot])
-          _, new_max, new_sum, new_probs, correction = softmax(
-              s, max_ref[...], sum_ref[...], kv_step, slot, kind)
-          probs_ref[...] = new_probs
-          max_ref[...] = new_max
-          sum_ref[...] = new_sum
-          correction_ref[...] = correction
-
-        pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
-
-      acc, probs, row_max, row_sum, correction = pl.run_state(products)(
-          (plgpu.ACC.init(acc), probs, row_max, row_sum, row_max))
-      plgpu.barrier_arrive(scratch.v_consumed.at[previous])
-      acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-      return acc, row_max, row_sum, probs
-
-    def run(lo, hi, kind: str, carry):
-      """The steps [lo, hi) of one kind. With the intra-warpgroup overlap
-      (`overlaps`), a run of static, non-empty bounds and no skips: its
-      first step's scores and softmax, the overlapped steps, then its
-      last step's P V."""
-      if not (overlap and kind != "skip" and isinstance(lo, int)
-              and isinstance(hi, int) and hi > lo):
-        return lax.fori_loop(lo, hi, functools.partial(step, kind=kind),
-                             carry)
-      first = slot_of(lo)
-      plgpu.barrier_wait(scratch.k_ready.at[first])
-      carry = scores_and_softmax(lo, first, carry, kind=kind)
-      carry = lax.fori_loop(lo + 1, hi,
-                            functools.partial(overlapped_step, kind=kind),
-                            carry)
-      return value_product(slot_of(hi - 1), carry)
 
     # Row max and row sum: nothing seen yet; with a sink, one key of logit
     # `sink` that adds no value (max = sink, sum = 1; modifiers.py).
@@ -655,7 +551,8 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
     turns.start(when=first)
     for lo, hi, kind in pipeline.consumer_runs(own, block.steps_lo,
                                                block.steps_hi):
-      carry = run(lo, hi, kind, carry)
+      carry = lax.fori_loop(lo, hi, functools.partial(step, kind=kind),
+                            carry)
     turns.finish(when=last)
     acc, row_max, row_sum = carry
     if next_block is not None:
