@@ -115,6 +115,15 @@ FP8_KEY_GROUP = 16
 # FP8: an optimization barrier on the softmax's results before the
 # ping-pong's arrival (benchmarks/fp8.py sweep compares both settings).
 FP8_SOFTMAX_BARRIER = True
+# 16-bit: the same optimization barrier on the softmax's results (tokamax's
+# and JAX's Mosaic attention put one there at head dims <= 128). A module
+# switch for A/B runs, read when a call is traced.
+SOFTMAX_BARRIER_16BIT = False
+# Each step waits for the next step's K tile while its P V product runs
+# (tokamax's and JAX's Mosaic attention do), instead of after it, at the
+# start of the next step. A module switch for A/B runs, read when a call is
+# traced.
+K_WAIT_UNDER_PV = False
 # The ping-pong's named barriers (PTX `bar`), one per consumer: ids 0 to 3
 # are Mosaic GPU's (0: the block, 1 + w: warpgroup w's own barrier).
 PING_PONG_BARRIER_IDS = (4, 5)
@@ -449,10 +458,20 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         pipeline.key_tile_segment_ids, row_segments,
         None if kv_ids is None else kv_ids[1], tile_shape=tile_shape)
 
+    def wait_next_k(kv_step):
+      """K_WAIT_UNDER_PV: the wait for step kv_step + 1's K tile, if the
+      block has that step (its first step waits for its own)."""
+      pl.when(kv_step + 1 < block.steps_hi)(
+          lambda: plgpu.barrier_wait(scratch.k_ready.at[slot_of(kv_step + 1)]))
+
     def step(kv_step, carry, *, kind: str):
       acc, row_max, row_sum = carry
       slot = slot_of(kv_step)
-      plgpu.barrier_wait(scratch.k_ready.at[slot])
+      if K_WAIT_UNDER_PV:
+        pl.when(kv_step == block.steps_lo)(
+            lambda: plgpu.barrier_wait(scratch.k_ready.at[slot]))
+      else:
+        plgpu.barrier_wait(scratch.k_ready.at[slot])
       if kind == "skip":
         # Outside this warpgroup's rows: keep the barriers' phases and the
         # ping-pong in step with the other consumer, compute nothing.
@@ -461,6 +480,8 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         plgpu.barrier_arrive(scratch.v_consumed.at[slot])
         turns.signal()
         turns.wait()
+        if K_WAIT_UNDER_PV:
+          wait_next_k(kv_step)
         return carry
 
       def scores(acc_ref):
@@ -515,6 +536,9 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         if FP8_SOFTMAX_BARRIER:
           acc, new_max, row_sum, probs = lax.optimization_barrier(
               (acc, new_max, row_sum, probs))
+      elif SOFTMAX_BARRIER_16BIT:
+        acc, new_max, row_sum, probs = lax.optimization_barrier(
+            (acc, new_max, row_sum, probs))
       plgpu.barrier_wait(scratch.v_ready.at[slot])
       # Until the other consumer has issued its Q K^T.
       turns.wait()
@@ -524,6 +548,8 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         # fastest, as 8-bit operands must be.
         value = scratch.v.at[slot]
         plgpu.wgmma(acc_ref, probs, value.T if fp8 else value)
+        if K_WAIT_UNDER_PV:
+          wait_next_k(kv_step)
 
       acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(scratch.v_consumed.at[slot])
