@@ -6,6 +6,7 @@ Usage (repo root, H100/H200):
   PYTHONPATH=. python3 benchmarks/fp8.py accuracy [--json F]
   PYTHONPATH=. python3 benchmarks/fp8.py sweep [--json F]
   PYTHONPATH=. python3 benchmarks/fp8.py prefetch_ab [--rounds R] [--json F]
+  PYTHONPATH=. python3 benchmarks/fp8.py k_wait_ab [--rounds R] [--json F]
 
 check: per case (head dims 64/128/256, masks, GQA, ragged lengths, sinks,
   soft cap, tiles), the kernel against the exact XLA model of its
@@ -25,6 +26,9 @@ prefetch_ab: as time, the default FP8 tiles with the persistent kernel's Q
   the head dim or not), and cuDNN bf16, in R
   alternating rounds (medians of the rounds' times): the one switch's
   effect, clear of the run-to-run spread of separate runs.
+k_wait_ab: as prefetch_ab, each step's wait for the next K tile after its
+  P V product and under it (forward.K_WAIT_UNDER_PV False / True), and
+  the head dim's default (`forward.waits_for_k_under_pv`) in each row.
 accuracy: FlashAttention-3's recipe (standard normal q/k/v, 0.1% of the
   entries x10), B=2, 4096 tokens, 16 heads, D = 64/128/256, through
   jflash.flash_attention: relative RMS error against float32 attention on
@@ -292,42 +296,85 @@ def default_tile_cases(settings, seed: int):
            fp8_inputs(shape(d), seed))
 
 
-def prefetch_ab(args) -> int:
+def switch_ab(args, variants, restore, seed: int) -> list:
+  """The default FP8 tiles under each variant (`variants`: name -> a
+  function of the head dim and causality that sets forward.py's module
+  switches, read when the call is traced; `restore` resets them), and
+  cuDNN bf16, in args.rounds alternating rounds at FlashAttention-3's
+  setting; medians of the rounds' times, as TFLOP/s. The rows, printed."""
   rows = []
   for d, causal, flops, tiles, make in default_tile_cases(
-      ((64, False), (128, False), (256, False), (128, True)), seed=300):
+      ((64, False), (128, False), (256, False), (128, True)), seed=seed):
 
     def make_bf16(r, d=d):
-      keys = jax.random.split(jax.random.key(300 + r), 3)
+      keys = jax.random.split(jax.random.key(seed + r), 3)
       return [jax.random.normal(key, (1, 16384, 16, d), jnp.bfloat16)
               for key in keys]
 
-    variants = {}
-    default_dims = forward.FP8_Q_PREFETCH_HEAD_DIMS
-    for prefetch in (True, False):
-      # Read when the call is traced, below.
-      forward.FP8_Q_PREFETCH_HEAD_DIMS = (d,) if prefetch else ()
+    fns = {}
+    for name, set_switches in variants.items():
+      set_switches(d, causal)
       fn = jax.jit(functools.partial(fp8_call, block_sizes=tiles,
                                      is_causal=causal))
-      jax.block_until_ready(fn(*make(0)))
-      variants[f"prefetch_{'on' if prefetch else 'off'}"] = (
-          lambda *a, fn=fn: fn(*a)[0], make)
-    forward.FP8_Q_PREFETCH_HEAD_DIMS = default_dims
-    variants["cudnn_bf16"] = (jax.jit(functools.partial(
+      jax.block_until_ready(fn(*make(0)))  # traced with the switches set
+      fns[name] = (lambda *a, fn=fn: fn(*a)[0], make)
+    restore()
+    fns["cudnn_bf16"] = (jax.jit(functools.partial(
         jax.nn.dot_product_attention, implementation="cudnn",
         is_causal=causal)), make_bf16)
-    times = {name: [] for name in variants}
+    times = {name: [] for name in fns}
     for r in range(args.rounds):
-      for name, (fn, make_args) in variants.items():
+      for name, (fn, make_args) in fns.items():
         times[name].append(bench(fn, lambda i, r=r, m=make_args: m(
             10 * r + i), rounds=1))
     row = dict(d=d, causal=causal, block_kv=tiles.block_kv,
                rounds=args.rounds)
     for name, ts in times.items():
       row[name] = flops / float(np.median(ts)) / 1e12
-    row["on_vs_off"] = row["prefetch_on"] / row["prefetch_off"]
     rows.append(row)
     print(json.dumps(row), flush=True)
+  return rows
+
+
+def prefetch_ab(args) -> int:
+  default_dims = forward.FP8_Q_PREFETCH_HEAD_DIMS
+
+  def setter(prefetch):
+    def set_switches(d, causal):
+      del causal
+      forward.FP8_Q_PREFETCH_HEAD_DIMS = (d,) if prefetch else ()
+    return set_switches
+
+  def restore():
+    forward.FP8_Q_PREFETCH_HEAD_DIMS = default_dims
+
+  rows = switch_ab(args, {"prefetch_on": setter(True),
+                          "prefetch_off": setter(False)}, restore, seed=300)
+  for row in rows:
+    row["on_vs_off"] = row["prefetch_on"] / row["prefetch_off"]
+  write_json(args.json, rows)
+  return 0
+
+
+def k_wait_ab(args) -> int:
+  default = forward.K_WAIT_UNDER_PV
+
+  def setter(value):
+    def set_switches(d, causal):
+      del d, causal
+      forward.K_WAIT_UNDER_PV = value
+    return set_switches
+
+  def restore():
+    forward.K_WAIT_UNDER_PV = default
+
+  rows = switch_ab(args, {"k_wait_after_pv": setter(False),
+                          "k_wait_under_pv": setter(True)}, restore,
+                   seed=310)
+  for row in rows:
+    row["under_vs_after"] = row["k_wait_under_pv"] / row["k_wait_after_pv"]
+    row["default_under_pv"] = forward.waits_for_k_under_pv(
+        True, row["d"], row["causal"])
   write_json(args.json, rows)
   return 0
 
@@ -403,17 +450,18 @@ def accuracy(args) -> int:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("mode", choices=("check", "time", "accuracy", "sweep",
-                                       "prefetch_ab"))
+                                       "prefetch_ab", "k_wait_ab"))
   parser.add_argument("--json", help="write the results here")
   parser.add_argument("--quick", action="store_true",
                       help="time: D=128 non-causal only; accuracy: 256 "
                       "tokens")
   parser.add_argument("--rounds", type=int, default=9,
-                      help="prefetch_ab: alternating rounds")
+                      help="prefetch_ab, k_wait_ab: alternating rounds")
   args = parser.parse_args(argv)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
   return {"check": check, "time": time_all, "accuracy": accuracy,
-          "sweep": sweep, "prefetch_ab": prefetch_ab}[args.mode](args)
+          "sweep": sweep, "prefetch_ab": prefetch_ab,
+          "k_wait_ab": k_wait_ab}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,12 @@ cuDNN's forward measured in the same run, plus the compile time. With
 --backward: forward+backward through `jflash.flash_attention(...,
 block_sizes=MosaicBlockSizes(...))` with the default forward tiles and each
 candidate's backward tiles (BACKWARD_TILES), against cuDNN's forward+
-backward. With --ab ping_pong|q_prefetch: each forward tiling under the
-variants of AB_VARIANTS (forward.py's module switches: the consumers'
-ping-pong on an mbarrier rendezvous or named barriers; the persistent
-kernel's Q prefetch off or on), timed in alternating rounds, cuDNN in
+backward. With --ab ping_pong|q_prefetch|k_wait|softmax_barrier: each
+forward tiling under the variants of AB_VARIANTS (forward.py's module
+switches: the consumers' ping-pong on an mbarrier rendezvous or named
+barriers; the persistent kernel's Q prefetch off or on; each step's wait
+for the next K tile after or under its P V; the 16-bit softmax's
+optimization barrier off or on), timed in alternating rounds, cuDNN in
 each round too; medians over the rounds.
 """
 
@@ -87,6 +89,10 @@ AB_VARIANTS = {
                   "named": {"PING_PONG": "named"}},
     "q_prefetch": {"no_prefetch": {"Q_PREFETCH": False},
                    "prefetch": {"Q_PREFETCH": True}},
+    "k_wait": {"after_pv": {"K_WAIT_UNDER_PV": False},
+               "under_pv": {"K_WAIT_UNDER_PV": True}},
+    "softmax_barrier": {"no_barrier": {"SOFTMAX_BARRIER_16BIT": False},
+                        "barrier": {"SOFTMAX_BARRIER_16BIT": True}},
 }
 
 

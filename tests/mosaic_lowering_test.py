@@ -52,10 +52,20 @@ CASES = (
 )
 
 
+def _kernel_jaxpr(pass_fn, *args) -> str:
+  """The printed jaxpr of pass_fn, its kernels' bodies included: unlike
+  the lowered module's bytes, the same for the same kernel. Traced through
+  a new function object each time: make_jaxpr, as jit, reuses the first
+  trace of a function object it has seen (module switches patched in
+  between would not be read again)."""
+  return str(jax.make_jaxpr(lambda *a: pass_fn(*a))(*args))
+
+
 def _lower(pass_fn, *args):
   """(the lowered module's text for CUDA, the output shapes). One trace
   gives both: tracing the kernels again for their shapes costs ~0.5 s."""
-  traced = jax.jit(pass_fn).trace(*args)
+  # A new function object: jit reuses the first trace of one it has seen.
+  traced = jax.jit(lambda *a: pass_fn(*a)).trace(*args)
   return (traced.lower(lowering_platforms=("cuda",)).as_text(),
           traced.out_info)
 
@@ -181,17 +191,17 @@ class MosaicLoweringTest(parameterized.TestCase):
     self.assertTrue(mosaic_forward.is_persistent(spec.mask))
     q = jax.ShapeDtypeStruct((2, 256, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 256, 2, head_dim), jnp.bfloat16)
-    texts = {}
+    run = lambda q, k, v: mosaic_backend.forward(spec, config,
+                                                 Operands(q, k, v))
+    jaxprs = {}
     for prefetch in (False, True):
       with mock.patch.object(mosaic_forward, "Q_PREFETCH", prefetch):
-        texts[prefetch], (out, _) = _lower(
-            lambda q, k, v: mosaic_backend.forward(spec, config,
-                                                   Operands(q, k, v)),
-            q, kv, kv)
-      self.assertIn("mosaic_gpu", texts[prefetch])
+        text, (out, _) = _lower(run, q, kv, kv)
+        jaxprs[prefetch] = _kernel_jaxpr(run, q, kv, kv)
+      self.assertIn("mosaic_gpu", text)
       self.assertEqual(out.shape, q.shape)
     # Another kernel (output tiles, the load in the epilogue).
-    self.assertNotEqual(texts[False], texts[True])
+    self.assertNotEqual(jaxprs[False], jaxprs[True])
 
   def test_fp8_q_prefetch_only_at_its_head_dims(self):
     # The FP8 forward prefetches Q only at forward.FP8_Q_PREFETCH_HEAD_DIMS
@@ -218,14 +228,46 @@ class MosaicLoweringTest(parameterized.TestCase):
         query=sds((2, 256, 4, 128), fp8), key=sds((2, 256, 2, 128), fp8),
         value=sds((2, 256, 2, 128), fp8), q_descale=descale,
         k_descale=descale, v_descale=descale)
-    texts = []
+    run = lambda ops: mosaic_backend.forward(spec, config, ops)
+    jaxprs = []
     for dims in ((), (128,)):
       with mock.patch.object(mosaic_forward, "FP8_Q_PREFETCH_HEAD_DIMS",
                              dims):
-        texts.append(_lower(
-            lambda ops: mosaic_backend.forward(spec, config, ops),
-            operands)[0])
-    self.assertNotEqual(texts[0], texts[1])
+        self.assertIn("mosaic_gpu", _lower(run, operands)[0])
+        jaxprs.append(_kernel_jaxpr(run, operands))
+    self.assertNotEqual(jaxprs[0], jaxprs[1])
+
+  def test_forward_orderings_follow_their_tables(self):
+    # forward.K_WAIT_UNDER_PV and SOFTMAX_BARRIER_16BIT ("auto": their
+    # measured tables) decide per call; the kernel follows them. (Compared
+    # as jaxprs: the lowered module's bytes differ between two lowerings of
+    # the same kernel.)
+    self.assertTrue(mosaic_forward.waits_for_k_under_pv(True, 128, False))
+    self.assertTrue(mosaic_forward.waits_for_k_under_pv(False, 64, False))
+    self.assertFalse(mosaic_forward.waits_for_k_under_pv(False, 64, True))
+    self.assertFalse(mosaic_forward.waits_for_k_under_pv(False, 128, False))
+    self.assertTrue(mosaic_forward.softmax_barrier_16bit(256, False))
+    self.assertFalse(mosaic_forward.softmax_barrier_16bit(256, True))
+    self.assertFalse(mosaic_forward.softmax_barrier_16bit(128, False))
+    spec = CallSpec(batch=1, q_len=256, kv_len=256, num_heads=2,
+                    num_kv_heads=2, head_dim=128, dtype="bfloat16",
+                    scale=128**-0.5,
+                    mask=MaskSpec(is_causal=False, has_lengths=False))
+    config = mosaic_backend.BACKEND.configure(spec)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    run = lambda q, k, v: mosaic_backend.forward(spec, config,
+                                                 Operands(q, k, v))
+    jaxprs = {}
+    for switch in ("K_WAIT_UNDER_PV", "SOFTMAX_BARRIER_16BIT"):
+      for value in ("auto", False, True):
+        with mock.patch.object(mosaic_forward, switch, value):
+          jaxprs[switch, value] = _kernel_jaxpr(run, q, q, q)
+      # Off at D=128 without a causal mask: "auto" is False's kernel.
+      self.assertEqual(jaxprs[switch, "auto"], jaxprs[switch, False])
+      self.assertNotEqual(jaxprs[switch, True], jaxprs[switch, False])
+    with mock.patch.object(mosaic_forward, "K_WAIT_UNDER_PV", True), \
+        mock.patch.object(mosaic_forward, "SOFTMAX_BARRIER_16BIT", True):
+      self.assertIn("mosaic_gpu", _lower(run, q, q, q)[0])
 
   def _check_ping_pong(self, forward_text, spec):
     # The consumers' turns go through the named barriers (PTX `bar` over

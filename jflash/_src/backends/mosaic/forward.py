@@ -115,15 +115,25 @@ FP8_KEY_GROUP = 16
 # FP8: an optimization barrier on the softmax's results before the
 # ping-pong's arrival (benchmarks/fp8.py sweep compares both settings).
 FP8_SOFTMAX_BARRIER = True
-# 16-bit: the same optimization barrier on the softmax's results (tokamax's
-# and JAX's Mosaic attention put one there at head dims <= 128). A module
-# switch for A/B runs, read when a call is traced.
-SOFTMAX_BARRIER_16BIT = False
 # Each step waits for the next step's K tile while its P V product runs
-# (tokamax's and JAX's Mosaic attention do), instead of after it, at the
-# start of the next step. A module switch for A/B runs, read when a call is
-# traced.
-K_WAIT_UNDER_PV = False
+# (as tokamax's and JAX's Mosaic attention do) instead of after it, at the
+# start of the next step: "auto" (`waits_for_k_under_pv`), True or False (a
+# module switch for A/B runs: benchmarks/sweep_mosaic.py --ab k_wait,
+# benchmarks/fp8.py k_wait_ab). H100, 9 and 15 interleaved rounds (RECORD
+# 2026-11-26, "two orderings from tokamax's Mosaic forward"): FP8 D=128
+# +5.6-5.7%, 16-bit D=64 +2.8-3.2% without a causal mask; 16-bit D=128
+# -4 to -5%, D=256 -2%, D=64 causal -2.5%, FP8 D=64/256 -1%, FP8 D=128
+# causal +0.7%. The (8-bit operands, head dim, causal) it is on for:
+K_WAIT_UNDER_PV = "auto"
+K_WAIT_UNDER_PV_CALLS = frozenset({(True, 128, False), (False, 64, False)})
+# 16-bit: an optimization barrier on the softmax's results (accumulator,
+# max, sum, P) before the ping-pong's wait, as the FP8 path has
+# (FP8_SOFTMAX_BARRIER): "auto" (`softmax_barrier_16bit`), True or False
+# (benchmarks/sweep_mosaic.py --ab softmax_barrier). Same RECORD entry: D=256
+# +2.1-2.4% without a causal mask, D=64/128 within -1.3..+0.6%. The (head
+# dim, causal) it is on for:
+SOFTMAX_BARRIER_16BIT = "auto"
+SOFTMAX_BARRIER_16BIT_CALLS = frozenset({(256, False)})
 # The ping-pong's named barriers (PTX `bar`), one per consumer: ids 0 to 3
 # are Mosaic GPU's (0: the block, 1 + w: warpgroup w's own barrier).
 PING_PONG_BARRIER_IDS = (4, 5)
@@ -148,6 +158,22 @@ Q_PREFETCH = True
 # Q-prefetch changes"): on / off 1.035 at D=64, 0.963 at D=128, 0.980 at
 # D=256, 0.960 at D=128 causal.
 FP8_Q_PREFETCH_HEAD_DIMS = (64,)
+
+
+def waits_for_k_under_pv(fp8: bool, head_dim: int, causal: bool) -> bool:
+  """Whether a forward step waits for the next K tile under its P V
+  (K_WAIT_UNDER_PV)."""
+  if K_WAIT_UNDER_PV != "auto":
+    return bool(K_WAIT_UNDER_PV)
+  return (fp8, head_dim, causal) in K_WAIT_UNDER_PV_CALLS
+
+
+def softmax_barrier_16bit(head_dim: int, causal: bool) -> bool:
+  """Whether the 16-bit forward puts an optimization barrier on the
+  softmax's results (SOFTMAX_BARRIER_16BIT)."""
+  if SOFTMAX_BARRIER_16BIT != "auto":
+    return bool(SOFTMAX_BARRIER_16BIT)
+  return (head_dim, causal) in SOFTMAX_BARRIER_16BIT_CALLS
 
 
 def q_prefetch(fp8: bool, head_dim: int) -> bool:
@@ -453,21 +479,25 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     tile_shape = (block_q, block_kv)
+    k_wait_under_pv = waits_for_k_under_pv(fp8, head_dim, mask.is_causal)
+    barrier_16bit = not fp8 and softmax_barrier_16bit(head_dim,
+                                                      mask.is_causal)
 
     segment_tiles = functools.partial(
         pipeline.key_tile_segment_ids, row_segments,
         None if kv_ids is None else kv_ids[1], tile_shape=tile_shape)
 
     def wait_next_k(kv_step):
-      """K_WAIT_UNDER_PV: the wait for step kv_step + 1's K tile, if the
-      block has that step (its first step waits for its own)."""
+      """With the K wait under P V (`waits_for_k_under_pv`): the wait for
+      step kv_step + 1's K tile, if the block has that step (the block's
+      first step waits for its own; every later one relies on this)."""
       pl.when(kv_step + 1 < block.steps_hi)(
           lambda: plgpu.barrier_wait(scratch.k_ready.at[slot_of(kv_step + 1)]))
 
     def step(kv_step, carry, *, kind: str):
       acc, row_max, row_sum = carry
       slot = slot_of(kv_step)
-      if K_WAIT_UNDER_PV:
+      if k_wait_under_pv:
         pl.when(kv_step == block.steps_lo)(
             lambda: plgpu.barrier_wait(scratch.k_ready.at[slot]))
       else:
@@ -480,7 +510,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         plgpu.barrier_arrive(scratch.v_consumed.at[slot])
         turns.signal()
         turns.wait()
-        if K_WAIT_UNDER_PV:
+        if k_wait_under_pv:
           wait_next_k(kv_step)
         return carry
 
@@ -536,7 +566,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         if FP8_SOFTMAX_BARRIER:
           acc, new_max, row_sum, probs = lax.optimization_barrier(
               (acc, new_max, row_sum, probs))
-      elif SOFTMAX_BARRIER_16BIT:
+      elif barrier_16bit:
         acc, new_max, row_sum, probs = lax.optimization_barrier(
             (acc, new_max, row_sum, probs))
       plgpu.barrier_wait(scratch.v_ready.at[slot])
@@ -548,7 +578,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         # fastest, as 8-bit operands must be.
         value = scratch.v.at[slot]
         plgpu.wgmma(acc_ref, probs, value.T if fp8 else value)
-        if K_WAIT_UNDER_PV:
+        if k_wait_under_pv:
           wait_next_k(kv_step)
 
       acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
