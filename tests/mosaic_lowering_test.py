@@ -238,17 +238,14 @@ class MosaicLoweringTest(parameterized.TestCase):
     self.assertNotEqual(jaxprs[0], jaxprs[1])
 
   def test_forward_orderings_follow_their_tables(self):
-    # forward.K_WAIT_UNDER_PV and SOFTMAX_BARRIER_16BIT ("auto": their
-    # measured tables) decide per call; the kernel follows them. (Compared
-    # as jaxprs: the lowered module's bytes differ between two lowerings of
-    # the same kernel.)
+    # forward.K_WAIT_UNDER_PV ("auto": its measured table) decides per
+    # call, SOFTMAX_BARRIER_16BIT (off) is an A/B switch; the kernel
+    # follows both. (Compared as jaxprs: the lowered module's bytes differ
+    # between two lowerings of the same kernel.)
     self.assertTrue(mosaic_forward.waits_for_k_under_pv(True, 128, False))
     self.assertTrue(mosaic_forward.waits_for_k_under_pv(False, 64, False))
     self.assertFalse(mosaic_forward.waits_for_k_under_pv(False, 64, True))
     self.assertFalse(mosaic_forward.waits_for_k_under_pv(False, 128, False))
-    self.assertTrue(mosaic_forward.softmax_barrier_16bit(256, False))
-    self.assertFalse(mosaic_forward.softmax_barrier_16bit(256, True))
-    self.assertFalse(mosaic_forward.softmax_barrier_16bit(128, False))
     spec = CallSpec(batch=1, q_len=256, kv_len=256, num_heads=2,
                     num_kv_heads=2, head_dim=128, dtype="bfloat16",
                     scale=128**-0.5,
@@ -258,12 +255,13 @@ class MosaicLoweringTest(parameterized.TestCase):
     run = lambda q, k, v: mosaic_backend.forward(spec, config,
                                                  Operands(q, k, v))
     jaxprs = {}
+    default = _kernel_jaxpr(run, q, q, q)
     for switch in ("K_WAIT_UNDER_PV", "SOFTMAX_BARRIER_16BIT"):
-      for value in ("auto", False, True):
+      for value in (False, True):
         with mock.patch.object(mosaic_forward, switch, value):
           jaxprs[switch, value] = _kernel_jaxpr(run, q, q, q)
-      # Off at D=128 without a causal mask: "auto" is False's kernel.
-      self.assertEqual(jaxprs[switch, "auto"], jaxprs[switch, False])
+      # Both off by default at D=128 without a causal mask.
+      self.assertEqual(default, jaxprs[switch, False])
       self.assertNotEqual(jaxprs[switch, True], jaxprs[switch, False])
     with mock.patch.object(mosaic_forward, "K_WAIT_UNDER_PV", True), \
         mock.patch.object(mosaic_forward, "SOFTMAX_BARRIER_16BIT", True):

@@ -128,12 +128,13 @@ K_WAIT_UNDER_PV = "auto"
 K_WAIT_UNDER_PV_CALLS = frozenset({(True, 128, False), (False, 64, False)})
 # 16-bit: an optimization barrier on the softmax's results (accumulator,
 # max, sum, P) before the ping-pong's wait, as the FP8 path has
-# (FP8_SOFTMAX_BARRIER): "auto" (`softmax_barrier_16bit`), True or False
-# (benchmarks/sweep_mosaic.py --ab softmax_barrier). Same RECORD entry: D=256
-# +2.1-2.4% without a causal mask, D=64/128 within -1.3..+0.6%. The (head
-# dim, causal) it is on for:
-SOFTMAX_BARRIER_16BIT = "auto"
-SOFTMAX_BARRIER_16BIT_CALLS = frozenset({(256, False)})
+# (FP8_SOFTMAX_BARRIER) and tokamax's forward at head dims <= 128. Off: at
+# D=64/128 within -1.4..+0.6%, at D=256 +2.1%, +2.4%, then -0.5% (-1.9%
+# causal) in three runs (H100, RECORD 2026-11-26, "two orderings from
+# tokamax's Mosaic forward" and the check after it). A module switch for
+# A/B runs (benchmarks/sweep_mosaic.py --ab softmax_barrier), read when a
+# call is traced.
+SOFTMAX_BARRIER_16BIT = False
 # The ping-pong's named barriers (PTX `bar`), one per consumer: ids 0 to 3
 # are Mosaic GPU's (0: the block, 1 + w: warpgroup w's own barrier).
 PING_PONG_BARRIER_IDS = (4, 5)
@@ -166,14 +167,6 @@ def waits_for_k_under_pv(fp8: bool, head_dim: int, causal: bool) -> bool:
   if K_WAIT_UNDER_PV != "auto":
     return bool(K_WAIT_UNDER_PV)
   return (fp8, head_dim, causal) in K_WAIT_UNDER_PV_CALLS
-
-
-def softmax_barrier_16bit(head_dim: int, causal: bool) -> bool:
-  """Whether the 16-bit forward puts an optimization barrier on the
-  softmax's results (SOFTMAX_BARRIER_16BIT)."""
-  if SOFTMAX_BARRIER_16BIT != "auto":
-    return bool(SOFTMAX_BARRIER_16BIT)
-  return (head_dim, causal) in SOFTMAX_BARRIER_16BIT_CALLS
 
 
 def q_prefetch(fp8: bool, head_dim: int) -> bool:
@@ -480,8 +473,6 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     tile_shape = (block_q, block_kv)
     k_wait_under_pv = waits_for_k_under_pv(fp8, head_dim, mask.is_causal)
-    barrier_16bit = not fp8 and softmax_barrier_16bit(head_dim,
-                                                      mask.is_causal)
 
     segment_tiles = functools.partial(
         pipeline.key_tile_segment_ids, row_segments,
@@ -566,7 +557,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
         if FP8_SOFTMAX_BARRIER:
           acc, new_max, row_sum, probs = lax.optimization_barrier(
               (acc, new_max, row_sum, probs))
-      elif barrier_16bit:
+      elif SOFTMAX_BARRIER_16BIT:
         acc, new_max, row_sum, probs = lax.optimization_barrier(
             (acc, new_max, row_sum, probs))
       plgpu.barrier_wait(scratch.v_ready.at[slot])
