@@ -95,11 +95,6 @@ PRODUCER = COMPUTE_WARPGROUPS
 # atomic_dq: dQ columns per product and reduce-add (a [64, 128] float32
 # accumulator beside dK's and dV's spills registers at head dim 128).
 DQ_SUM_COLUMNS = 64
-# The dQ kernel (without the product split): each step waits for the next
-# step's K and V tiles while its dQ += dS K product runs, instead of at the
-# next step's start (the forward's `waits_for_k_under_pv`). A module switch
-# for A/B runs, read when a call is traced.
-DQ_WAIT_UNDER_PRODUCT = False
 
 
 def _columns(ref, chunk: int, width: int, chunks: int):
@@ -188,15 +183,12 @@ def _score_gradients_and_factor(scratch, lhs, rhs, tile_shape):
                        plgpu.ACC(tile_shape, jnp.float32))
 
 
-def _accumulated(acc, lhs, rhs, under=None):
+def _accumulated(acc, lhs, rhs):
   """acc + lhs rhs (wgmma into the float32 accumulator acc, WGMMA layout;
-  lhs from registers or shared memory, rhs from shared memory). `under`:
-  called once the product is issued, while it runs."""
+  lhs from registers or shared memory, rhs from shared memory)."""
 
   def product(acc_ref):
     plgpu.wgmma(acc_ref, lhs, rhs)
-    if under is not None:
-      under()
 
   return pl.run_state(product)(plgpu.ACC.init(acc))
 
@@ -361,39 +353,13 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
         pipeline.key_tile_segment_ids, row_segments,
         None if kv_ids is None else kv_ids[1], tile_shape=tile_shape)
 
-    def wait_for_tiles(kv_step):
-      slot = slot_of(kv_step)
-      plgpu.barrier_wait(scratch.k_ready.at[slot])
-      plgpu.barrier_wait(scratch.v_ready.at[slot])
-
-    def wait_for_next_tiles(kv_step):
-      """DQ_WAIT_UNDER_PRODUCT: a function that waits for step kv_step +
-      1's K and V tiles if the block has that step. Its slot and condition
-      are computed here, outside the product's `run_state` that calls it
-      (values computed in there from Python ints fail to lower)."""
-      next_slot = slot_of(kv_step + 1)
-      has_next = kv_step + 1 < block.steps_hi
-
-      def wait():
-        plgpu.barrier_wait(scratch.k_ready.at[next_slot])
-        plgpu.barrier_wait(scratch.v_ready.at[next_slot])
-
-      return lambda: pl.when(has_next)(wait)
-
     def step(kv_step, dq, *, kind: str):
       slot = slot_of(kv_step)
       k_tile = scratch.k.at[slot]
-      if DQ_WAIT_UNDER_PRODUCT:
-        # The block's first step waits for its own tiles, every later one
-        # relies on the step before it.
-        pl.when(kv_step == block.steps_lo)(lambda: wait_for_tiles(kv_step))
-      else:
-        plgpu.barrier_wait(scratch.k_ready.at[slot])
-        plgpu.barrier_wait(scratch.v_ready.at[slot])
+      plgpu.barrier_wait(scratch.k_ready.at[slot])
+      plgpu.barrier_wait(scratch.v_ready.at[slot])
       if kind == "skip":
         plgpu.barrier_arrive(scratch.consumed.at[slot])
-        if DQ_WAIT_UNDER_PRODUCT:
-          wait_for_next_tiles(kv_step)()
         return dq
 
       def scores_and_probabilities(s_ref, dp_ref):
@@ -414,10 +380,7 @@ def dq_kernel(refs: pipeline.KernelInputs, dq_ref, scratch: DqScratch, *,
                            lax.broadcast_in_dim(delta, tile_shape, [0]))
       ds = ds.astype(dtype)
 
-      dq = _accumulated(
-          dq, ds, _columns(k_tile, chunk, width, chunks),
-          under=(wait_for_next_tiles(kv_step) if DQ_WAIT_UNDER_PRODUCT
-                 else None))
+      dq = _accumulated(dq, ds, _columns(k_tile, chunk, width, chunks))
       plgpu.barrier_arrive(scratch.consumed.at[slot])
       return dq
 
