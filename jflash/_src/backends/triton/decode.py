@@ -84,6 +84,11 @@ MIN_ROWS = 16  # Triton's matrix instructions need tiles of >= 16 rows.
 # (cvt.rn.f16x2.e4m3x2; bfloat16 takes that and two more), and the
 # probabilities P in float16 keep 11 significant bits (bfloat16: 8).
 FP8_COMPUTE_DTYPE = jnp.float16
+# FP8: the scores Q K^T as an e4m3 x e4m3 product (float32 accumulation)
+# instead of converting the query and each K tile to FP8_COMPUTE_DTYPE
+# first; V is converted either way (P stays 16-bit). A module switch for
+# A/B runs, read when a call is traced.
+FP8_SCORES_8BIT = False
 
 
 # The launch grid's axes, fastest first: CUDA starts programs in order of
@@ -263,7 +268,8 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
   valid_rows = None if num_rows == rows_padded else num_rows
   q = tiles.load_tile(q_ref, 0, rows_padded, seq_len=valid_rows,
                       head_dim=head_dim)
-  if fp8:  # Exact: FP8_COMPUTE_DTYPE holds every e4m3 value.
+  if fp8 and not FP8_SCORES_8BIT:
+    # Exact: FP8_COMPUTE_DTYPE holds every e4m3 value.
     q = q.astype(FP8_COMPUTE_DTYPE)
   slope2 = None
   if slopes_ref is not None:
@@ -278,7 +284,9 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
     acc, row_max, row_sum = carry
     k_start = k_tile_index * block_k
     k, v = load_tile(k_ref, k_start), load_tile(v_ref, k_start)
-    if fp8:  # One byte per element read; converted in registers.
+    if fp8 and FP8_SCORES_8BIT:  # K stays e4m3 for the scores.
+      v = v.astype(FP8_COMPUTE_DTYPE)
+    elif fp8:  # One byte per element read; converted in registers.
       k, v = k.astype(FP8_COMPUTE_DTYPE), v.astype(FP8_COMPUTE_DTYPE)
     logits, _ = numerics.logits_base2(tiles.matmul(q, k, trans_b=True),
                                       scale=scale, soft_cap=soft_cap)
