@@ -468,7 +468,8 @@ class Fp8DecodeKernelTest(absltest.TestCase):
 class Fp8DecodeScoresTest(parameterized.TestCase):
 
   @parameterized.parameters(("9.0", False, True), ("8.9", False, True),
-                            ("8.0", False, False), (None, False, False),
+                            ("12.0a", False, True), ("8.0", False, False),
+                            ("", False, False), (None, False, False),
                             (None, True, True))
   def test_scores_in_8bit_where_fp8_tensor_cores_are(self, capability,
                                                      interpret, expected):

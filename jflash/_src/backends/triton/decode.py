@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 from jax import lax
 from jax.experimental import pallas as pl
@@ -338,11 +339,12 @@ def scores_in_8bit(interpret: bool) -> bool:
     return False
   if interpret:
     return True
-  capability = platform.cuda_compute_capability()
-  if capability is None:
+  # "9.0" (or e.g. "12.0a"): major and minor's leading digits; anything
+  # else (or no GPU) converts, which runs everywhere.
+  found = re.match(r"(\d+)\.(\d+)", platform.cuda_compute_capability() or "")
+  if found is None:
     return False
-  major, minor = (int(part) for part in capability.split(".")[:2])
-  return (major, minor) >= FP8_TENSOR_CORES_CAPABILITY
+  return (int(found[1]), int(found[2])) >= FP8_TENSOR_CORES_CAPABILITY
 
 
 def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
