@@ -135,10 +135,6 @@ K_WAIT_UNDER_PV_CALLS = frozenset({(True, 128, False), (False, 64, False)})
 # A/B runs (benchmarks/sweep_mosaic.py --ab softmax_barrier), read when a
 # call is traced.
 SOFTMAX_BARRIER_16BIT = False
-# Each step waits for its V tile while its Q K^T product runs, instead of
-# after its softmax. A module switch for A/B runs, read when a call is
-# traced.
-V_WAIT_UNDER_QK = False
 # The ping-pong's named barriers (PTX `bar`), one per consumer: ids 0 to 3
 # are Mosaic GPU's (0: the block, 1 + w: warpgroup w's own barrier).
 PING_PONG_BARRIER_IDS = (4, 5)
@@ -512,8 +508,6 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
       def scores(acc_ref):
         plgpu.wgmma(acc_ref, q_tile, scratch.k.at[slot].T)
         turns.signal()
-        if V_WAIT_UNDER_QK:
-          plgpu.barrier_wait(scratch.v_ready.at[slot])
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
@@ -566,8 +560,7 @@ def forward_kernel(refs: pipeline.KernelInputs, out_ref, lse_ref,
       elif SOFTMAX_BARRIER_16BIT:
         acc, new_max, row_sum, probs = lax.optimization_barrier(
             (acc, new_max, row_sum, probs))
-      if not V_WAIT_UNDER_QK:
-        plgpu.barrier_wait(scratch.v_ready.at[slot])
+      plgpu.barrier_wait(scratch.v_ready.at[slot])
       # Until the other consumer has issued its Q K^T.
       turns.wait()
 
