@@ -375,10 +375,8 @@ class Fp8DecodeKernelTest(absltest.TestCase):
   query and cache reach the kernel as they are (the plan does not
   dequantize), dense and paged, GQA, ragged lengths (0, and fewer entries
   than new tokens), T = 1 and 4, sinks, split and unsplit, against float64
-  attention of the real values. Its scores are an e4m3 product with
-  float32 accumulation (exact products; GPUs with FP8 tensor cores and the
-  interpreter) or, on older GPUs, a float16 product after an exact e4m3
-  conversion; P V is float16: the dequantizing path's tolerance holds."""
+  attention of the real values. The kernel computes in float16 after an
+  exact e4m3 conversion, so the dequantizing path's tolerance holds."""
 
   BATCH, KV_LEN, HEADS, KV_HEADS = 3, 48, 8, 2
 
@@ -454,32 +452,12 @@ class Fp8DecodeKernelTest(absltest.TestCase):
 
   def test_paged_cache_one_token_unsplit_float32_out(self):
     # One split, no sink: the kernel writes the float32 output itself.
-    # The scores as on GPUs without FP8 tensor cores (q and K converted to
-    # float16 first); the other tests take the e4m3 product.
     lengths = jnp.array([self.KV_LEN, 21, 0], jnp.int32)
-    with mock.patch.object(triton_decode, "FP8_SCORES_8BIT", False):
-      out, lse, expected = self._run(1, lengths, paged=True, num_splits=1,
-                                     out_dtype=jnp.float32)
+    out, lse, expected = self._run(1, lengths, paged=True, num_splits=1,
+                                   out_dtype=jnp.float32)
     chex.assert_equal(out.dtype, jnp.float32)
     assert_close_to_reference(self, out, expected, lse)
     self.assertTrue(np.all(np.isneginf(np.asarray(lse[2]))))
-
-
-class Fp8DecodeScoresTest(parameterized.TestCase):
-
-  @parameterized.parameters(("9.0", False, True), ("8.9", False, True),
-                            ("12.0a", False, True), ("8.0", False, False),
-                            ("", False, False), (None, False, False),
-                            (None, True, True))
-  def test_scores_in_8bit_where_fp8_tensor_cores_are(self, capability,
-                                                     interpret, expected):
-    # The decode kernel's e4m3 x e4m3 scores: from compute capability 8.9
-    # (Ada, Hopper) and in the interpreter; Ampere converts q and K first.
-    with mock.patch.object(platform, "cuda_compute_capability",
-                           return_value=capability):
-      self.assertEqual(triton_decode.scores_in_8bit(interpret), expected)
-      with mock.patch.object(triton_decode, "FP8_SCORES_8BIT", False):
-        self.assertFalse(triton_decode.scores_in_8bit(interpret))
 
 
 class Fp8DispatchTest(parameterized.TestCase):

@@ -20,20 +20,16 @@ tokens last; query token t sits at position L - T + t, which is
 of `masks.key_blocks` are read (a window reads its band).
 
 FP8 (an e4m3 query and cache, with descales per (batch, kv head)): the
-query and each K/V tile are read as they are, one byte per element; the
-scores Q K^T are an e4m3 x e4m3 product with float32 accumulation where the
-GPU has FP8 tensor cores (`scores_in_8bit`), and each V tile (and, on
-older GPUs, the query and each K tile) is converted in registers to
-`FP8_COMPUTE_DTYPE`; q_descale x k_descale folds into the program's logit
-scale and v_descale into its output (one scalar each: a program is one
-(batch, kv head)). The partials stay float32.
+query and each K/V tile are read as they are, one byte per element, and
+converted in registers to `FP8_COMPUTE_DTYPE`; q_descale x k_descale folds
+into the program's logit scale and v_descale into its output (one scalar
+each: a program is one (batch, kv head)). The partials stay float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 from jax import lax
 from jax.experimental import pallas as pl
@@ -42,7 +38,6 @@ import jax.numpy as jnp
 
 from jflash._src import masks
 from jflash._src import numerics
-from jflash._src import platform
 from jflash._src import sharding
 from jflash._src.backends.triton import block_sizes
 from jflash._src.backends.triton import tiles
@@ -89,18 +84,6 @@ MIN_ROWS = 16  # Triton's matrix instructions need tiles of >= 16 rows.
 # (cvt.rn.f16x2.e4m3x2; bfloat16 takes that and two more), and the
 # probabilities P in float16 keep 11 significant bits (bfloat16: 8).
 FP8_COMPUTE_DTYPE = jnp.float16
-# FP8: the scores Q K^T as an e4m3 x e4m3 product (float32 accumulation)
-# instead of converting the query and each K tile to FP8_COMPUTE_DTYPE
-# first, on GPUs with FP8 tensor cores (compute capability >= 8.9) and in
-# the interpreter (`scores_in_8bit`); V is converted either way (P stays
-# 16-bit). H100, 8 cases x 2 draws of ragged lengths, interleaved rounds
-# (RECORD 2026-11-26, "FP8 decode scores as an e4m3 product"): +0.8-6.4%
-# in 15 of 16, -2.1% in one (whose other draw gained 1.7%), errors against
-# float32 the same to 5 digits. A module switch for A/B runs, read when a
-# call is traced.
-FP8_SCORES_8BIT = True
-# The compute capability from which GPUs multiply e4m3 operands (Ada, Hopper).
-FP8_TENSOR_CORES_CAPABILITY = (8, 9)
 
 
 # The launch grid's axes, fastest first: CUDA starts programs in order of
@@ -243,7 +226,7 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
                   mask: MaskSpec, scale: float, soft_cap: float | None,
                   block_k: int, head_dim: int, num_tokens: int, group: int,
                   num_splits: int, num_rows: int, grid_axes,
-                  row_offset: int = 0, fp8_scores_8bit: bool = False):
+                  row_offset: int = 0):
   split, batch, head = _grid_index(
       grid_axes, *(pl.program_id(axis) for axis in range(3)))
   fp8 = qk_descale_ref is not None
@@ -280,8 +263,7 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
   valid_rows = None if num_rows == rows_padded else num_rows
   q = tiles.load_tile(q_ref, 0, rows_padded, seq_len=valid_rows,
                       head_dim=head_dim)
-  if fp8 and not fp8_scores_8bit:
-    # Exact: FP8_COMPUTE_DTYPE holds every e4m3 value.
+  if fp8:  # Exact: FP8_COMPUTE_DTYPE holds every e4m3 value.
     q = q.astype(FP8_COMPUTE_DTYPE)
   slope2 = None
   if slopes_ref is not None:
@@ -296,9 +278,7 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
     acc, row_max, row_sum = carry
     k_start = k_tile_index * block_k
     k, v = load_tile(k_ref, k_start), load_tile(v_ref, k_start)
-    if fp8 and fp8_scores_8bit:  # K stays e4m3 for the scores.
-      v = v.astype(FP8_COMPUTE_DTYPE)
-    elif fp8:  # One byte per element read; converted in registers.
+    if fp8:  # One byte per element read; converted in registers.
       k, v = k.astype(FP8_COMPUTE_DTYPE), v.astype(FP8_COMPUTE_DTYPE)
     logits, _ = numerics.logits_base2(tiles.matmul(q, k, trans_b=True),
                                       scale=scale, soft_cap=soft_cap)
@@ -329,22 +309,6 @@ def decode_kernel(q_ref, k_ref, v_ref, lengths_ref, q_lengths_ref, table_ref,
   lse = jnp.where(has_keys, row_max + jnp.log2(safe_sum), -jnp.inf)
   tiles.store_tile(o_ref, 0, out, seq_len=num_rows, head_dim=head_dim)
   tiles.store_row_stats(lse_ref, 0, lse, seq_len=num_rows)
-
-
-def scores_in_8bit(interpret: bool) -> bool:
-  """Whether an FP8 call's scores are an e4m3 product (FP8_SCORES_8BIT):
-  in the interpreter, and on GPUs of FP8_TENSOR_CORES_CAPABILITY or later
-  (older ones convert q and K to FP8_COMPUTE_DTYPE first)."""
-  if not FP8_SCORES_8BIT:
-    return False
-  if interpret:
-    return True
-  # "9.0" (or e.g. "12.0a"): major and minor's leading digits; anything
-  # else (or no GPU) converts, which runs everywhere.
-  found = re.match(r"(\d+)\.(\d+)", platform.cuda_compute_capability() or "")
-  if found is None:
-    return False
-  return (int(found[1]), int(found[2])) >= FP8_TENSOR_CORES_CAPABILITY
 
 
 def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
@@ -411,9 +375,7 @@ def decode_call(q_packed, key, value, lengths, slopes, block_table=None,
       decode_kernel, mask=mask, scale=scale, soft_cap=soft_cap,
       block_k=block_k, head_dim=head_dim, num_tokens=num_tokens,
       group=group, num_splits=num_splits, num_rows=num_rows,
-      row_offset=row_offset, grid_axes=grid_axes,
-      fp8_scores_8bit=(qk_descale is not None
-                       and scores_in_8bit(interpret)))
+      row_offset=row_offset, grid_axes=grid_axes)
   whole = lambda x: spec(x.shape, lambda s, b, h: (0,) * x.ndim)
   optional = {
       "table_ref": (block_table, None if block_table is None
