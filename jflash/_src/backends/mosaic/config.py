@@ -265,18 +265,13 @@ def default_fp8_block_sizes(head_dim: int, *, has_segments: bool = False
   "D=128 causal FP8 tiles by length": `default_tiles` keeps 128 for short
   causal calls); 128-key tiles at D=256 (16-21% faster than 64-key ones,
   RECORD 2026-11-26 "no reduction scratch, and 128-key FP8 tiles at head
-  dim 256"), 64-key ones where segment ids leave no room for them. At
-  D=64 a ring of 4 tiles: +3.5% and +4.0% against 2 at 1x16384 non-causal
-  (3: +-0.7%; bitwise the same outputs; RECORD 2026-11-26, "forward stages
-  at 256-key tiles, head dim 64"; causal calls take it unmeasured)."""
+  dim 256"), 64-key ones where segment ids leave no room for them."""
   if head_dim > 128:
     sizes = MosaicBlockSizes(block_kv=128)
     if not sizes.fits_fp8(head_dim, has_segments=has_segments):
       sizes = MosaicBlockSizes(block_kv=64)
-  elif head_dim > 64:
-    sizes = MosaicBlockSizes(block_kv=256)
   else:
-    sizes = MosaicBlockSizes(block_kv=256, num_stages=4)
+    sizes = MosaicBlockSizes(block_kv=256)
   sizes.check_fits_fp8(head_dim, has_segments=has_segments)
   return sizes
 
