@@ -237,6 +237,38 @@ class MosaicLoweringTest(parameterized.TestCase):
         jaxprs.append(_kernel_jaxpr(run, operands))
     self.assertNotEqual(jaxprs[0], jaxprs[1])
 
+  def test_fp8_causal_head_dim_256_runs_one_block_per_tile(self):
+    # forward.runs_persistent: FP8 causal calls at head dim 256 launch one
+    # block per tile (measured faster at every length), every other call
+    # the persistent kernel wherever the mask allows it.
+    fp8 = "float8_e4m3fn"
+
+    def spec_of(dtype, head_dim, is_causal):
+      return CallSpec(batch=1, q_len=256, kv_len=256, num_heads=2,
+                      num_kv_heads=2, head_dim=head_dim, dtype=dtype,
+                      scale=head_dim**-0.5,
+                      out_dtype="bfloat16" if dtype == fp8 else None,
+                      mask=MaskSpec(is_causal=is_causal, has_lengths=False))
+
+    self.assertFalse(mosaic_forward.runs_persistent(spec_of(fp8, 256, True)))
+    for dtype, head_dim, is_causal in ((fp8, 256, False), (fp8, 128, True),
+                                       ("bfloat16", 256, True)):
+      self.assertTrue(mosaic_forward.runs_persistent(
+          spec_of(dtype, head_dim, is_causal)))
+    # The launch follows: a grid of (tile, head, batch) blocks, lowered.
+    spec = spec_of(fp8, 256, True)
+    config = mosaic_backend.BACKEND.configure(spec)
+    sds = jax.ShapeDtypeStruct
+    x = sds((1, 256, 2, 256), jnp.float8_e4m3fn)
+    descale = sds((1, 2), jnp.float32)
+    operands = Operands(query=x, key=x, value=x, q_descale=descale,
+                        k_descale=descale, v_descale=descale)
+    run = lambda ops: mosaic_backend.forward(spec, config, ops)
+    self.assertIn("mosaic_gpu", _lower(run, operands)[0])
+    jaxpr = _kernel_jaxpr(run, operands)
+    self.assertNotIn("grid_names=('programs',)", jaxpr)
+    self.assertIn("'q_tiles'", jaxpr)
+
   def test_forward_orderings_follow_their_tables(self):
     # forward.K_WAIT_UNDER_PV ("auto": its measured table) decides per
     # call, SOFTMAX_BARRIER_16BIT (off) is an A/B switch; the kernel
