@@ -22,8 +22,9 @@ computes 2 * block_q query rows of one (batch, head) with three warpgroups.
   `numerics.py`) through its own small slot.
 
 Persistent launch (`is_persistent`: calls without window, lengths or
-segments): one program per SM instead of one block per (query tile, head,
-batch); each program works through its items (`pipeline.PersistentGrid`:
+segments; by default all of them but FP8 causal calls at head dim 256,
+`runs_persistent`): one program per SM instead of one block per (query
+tile, head, batch); each program works through its items (`pipeline.PersistentGrid`:
 round-robin, query tiles fastest so that programs in flight share a head's
 K and V in L2; causal tiles in pairs t, n-1-t of equal total work) while
 the producer's ring runs on from one block into the next, so a block's Q
