@@ -24,10 +24,11 @@ computes 2 * block_q query rows of one (batch, head) with three warpgroups.
 Persistent launch (`is_persistent`: calls without window, lengths or
 segments; by default all of them but FP8 causal calls at head dim 256,
 `runs_persistent`): one program per SM instead of one block per (query
-tile, head, batch); each program works through its items (`pipeline.PersistentGrid`:
-round-robin, query tiles fastest so that programs in flight share a head's
-K and V in L2; causal tiles in pairs t, n-1-t of equal total work) while
-the producer's ring runs on from one block into the next, so a block's Q
+tile, head, batch); each program works through its items
+(`pipeline.PersistentGrid`: round-robin, query tiles fastest so that
+programs in flight share a head's K and V in L2; causal tiles in pairs t,
+n-1-t of equal total work) while the producer's ring runs on from one
+block into the next, so a block's Q
 load and output stores overlap the next block's K/V loads instead of
 costing a launch (H100: +12-60% at 2048 keys, a few % at 8k-32k). Where
 shared memory has room for output tiles apart from the Q tiles (head dims
@@ -120,11 +121,12 @@ FP8_SOFTMAX_BARRIER = True
 # (as tokamax's and JAX's Mosaic attention do) instead of after it, at the
 # start of the next step: "auto" (`waits_for_k_under_pv`), True or False (a
 # module switch for A/B runs: benchmarks/sweep_mosaic.py --ab k_wait,
-# benchmarks/fp8.py k_wait_ab). H100, 9 and 15 interleaved rounds (RECORD
-# 2026-11-26, "two orderings from tokamax's Mosaic forward"): FP8 D=128
-# +5.6-5.7%, 16-bit D=64 +2.8-3.2% without a causal mask; 16-bit D=128
-# -4 to -5%, D=256 -2%, D=64 causal -2.5%, FP8 D=64/256 -1%, FP8 D=128
-# causal +0.7%. The (8-bit operands, head dim, causal) it is on for:
+# benchmarks/fp8.py k_wait_ab). H100, three runs of interleaved rounds
+# each (RECORD 2026-11-26, "two orderings from tokamax's Mosaic forward"
+# and the check after it): FP8 D=128 +5.3-5.7%, 16-bit D=64 +2.8-3.6%
+# without a causal mask; 16-bit D=128 -4 to -5%, D=256 -2%, D=64 causal
+# -2.2..-2.5%, FP8 D=64 -1%, FP8 D=256 -1.2..+1.8%, FP8 D=128 causal
+# -0.5..+0.7%. The (8-bit operands, head dim, causal) it is on for:
 K_WAIT_UNDER_PV = "auto"
 K_WAIT_UNDER_PV_CALLS = frozenset({(True, 128, False), (False, 64, False)})
 # 16-bit: an optimization barrier on the softmax's results (accumulator,
