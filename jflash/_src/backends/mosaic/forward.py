@@ -28,9 +28,9 @@ tile, head, batch); each program works through its items
 (`pipeline.PersistentGrid`: round-robin, query tiles fastest so that
 programs in flight share a head's K and V in L2; causal tiles in pairs t,
 n-1-t of equal total work) while the producer's ring runs on from one
-block into the next, so a block's Q
-load and output stores overlap the next block's K/V loads instead of
-costing a launch (H100: +12-60% at 2048 keys, a few % at 8k-32k). Where
+block into the next, so a block's Q load and output stores overlap the
+next block's K/V loads instead of costing a launch (H100: +12-60% at 2048
+keys, a few % at 8k-32k). Where
 shared memory has room for output tiles apart from the Q tiles (head dims
 <= 128 at the default tiles, and FP8), a consumer may issue its next
 block's Q load as soon as its last Q K^T is done, under this block's
