@@ -61,6 +61,18 @@ def _kernel_jaxpr(pass_fn, *args) -> str:
   return str(jax.make_jaxpr(lambda *a: pass_fn(*a))(*args))
 
 
+def _fp8_operands(batch, q_len, kv_len, heads, kv_heads, head_dim):
+  """Shapes of float8_e4m3fn q, k, v and their float32 [B, K] descales."""
+  sds = jax.ShapeDtypeStruct
+  fp8 = jnp.float8_e4m3fn
+  descale = sds((batch, kv_heads), jnp.float32)
+  return Operands(
+      query=sds((batch, q_len, heads, head_dim), fp8),
+      key=sds((batch, kv_len, kv_heads, head_dim), fp8),
+      value=sds((batch, kv_len, kv_heads, head_dim), fp8),
+      q_descale=descale, k_descale=descale, v_descale=descale)
+
+
 def _lower(pass_fn, *args):
   """(the lowered module's text for CUDA, the output shapes). One trace
   gives both: tracing the kernels again for their shapes costs ~0.5 s."""
@@ -159,16 +171,11 @@ class MosaicLoweringTest(parameterized.TestCase):
     ids = lambda length: (sds((batch, length), jnp.int32)
                           if spec.mask.has_segments else None)
     lengths = sds((batch,), jnp.int32) if spec.mask.has_lengths else None
-    operands = Operands(
-        query=sds((batch, q_len, heads, head_dim), fp8),
-        key=sds((batch, kv_len, kv_heads, head_dim), fp8),
-        value=sds((batch, kv_len, kv_heads, head_dim), fp8),
+    operands = _fp8_operands(batch, q_len, kv_len, heads, kv_heads,
+                             head_dim).replace(
         q_lengths=lengths, kv_lengths=lengths,
         q_segment_ids=ids(q_len), kv_segment_ids=ids(kv_len),
-        sinks=sds((batch, heads), jnp.float32) if sinks else None,
-        q_descale=sds((batch, kv_heads), jnp.float32),
-        k_descale=sds((batch, kv_heads), jnp.float32),
-        v_descale=sds((batch, kv_heads), jnp.float32))
+        sinks=sds((batch, heads), jnp.float32) if sinks else None)
     text, (out, lse2) = _lower(
         lambda ops: mosaic_backend.forward(spec, config, ops), operands)
     self.assertIn("mosaic_gpu", text)
@@ -222,12 +229,7 @@ class MosaicLoweringTest(parameterized.TestCase):
                     mask=MaskSpec(is_causal=False, has_lengths=False))
     self.assertTrue(mosaic_forward.is_persistent(spec.mask))
     config = mosaic_backend.BACKEND.configure(spec)
-    sds = jax.ShapeDtypeStruct
-    descale = sds((2, 2), jnp.float32)
-    operands = Operands(
-        query=sds((2, 256, 4, 128), fp8), key=sds((2, 256, 2, 128), fp8),
-        value=sds((2, 256, 2, 128), fp8), q_descale=descale,
-        k_descale=descale, v_descale=descale)
+    operands = _fp8_operands(2, 256, 256, 4, 2, 128)
     run = lambda ops: mosaic_backend.forward(spec, config, ops)
     jaxprs = []
     for dims in ((), (128,)):
@@ -258,11 +260,7 @@ class MosaicLoweringTest(parameterized.TestCase):
     # The launch follows: a grid of (tile, head, batch) blocks, lowered.
     spec = spec_of(fp8, 256, True)
     config = mosaic_backend.BACKEND.configure(spec)
-    sds = jax.ShapeDtypeStruct
-    x = sds((1, 256, 2, 256), jnp.float8_e4m3fn)
-    descale = sds((1, 2), jnp.float32)
-    operands = Operands(query=x, key=x, value=x, q_descale=descale,
-                        k_descale=descale, v_descale=descale)
+    operands = _fp8_operands(1, 256, 256, 2, 2, 256)
     run = lambda ops: mosaic_backend.forward(spec, config, ops)
     self.assertIn("mosaic_gpu", _lower(run, operands)[0])
     jaxpr = _kernel_jaxpr(run, operands)
