@@ -5,6 +5,7 @@ interpreter on CPU and compiled on a GPU (JFLASH_TEST_ON_GPU=1), and the
 XLA path.
 """
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -258,6 +259,52 @@ class MosaicHeadDim256BackwardTest(parameterized.TestCase):
       results = jax.block_until_ready(step(q, k, v, dout))
       again = jax.block_until_ready(step(q, k, v, dout))
     chex.assert_trees_all_equal(results, again)
+    test_util.assert_close_to_reference(self, results, q, k, v, dout,
+                                        **kwargs)
+
+
+class MosaicAtomicDqTest(parameterized.TestCase):
+  """The opt-in 5-product Mosaic backward (`MosaicBlockSizes(atomic_dq=
+  True)`: dQ by float32 reduce-adds from the dK/dV kernel, its pieces
+  dealt out to the two warpgroups, `config.atomic_dq_pieces`) against the
+  XLA path, with masks that make one row group skip tiles the other
+  computes. Not bitwise deterministic (the adds' order varies). Hopper
+  only."""
+
+  def setUp(self):
+    super().setUp()
+    test_util.skip_unless_mosaic_gpu(self)
+
+  @parameterized.named_parameters(
+      ("d128_causal_gqa", 128, {}, dict(is_causal=True)),
+      ("d64_lengths_soft_cap", 64, {}, "lengths_soft_cap"),
+      ("d64_one_piece_segments", 64, dict(block_q_dkv=64), "segments"),
+      ("d128_bottom_right_window", 128, {}, "bottom_right_window"),
+  )
+  def test_gradients(self, head_dim, tiles, case):
+    batch, q_len, kv_len = 2, 300, 430
+    q, k, v, dout = test_util.random_inputs(
+        31, batch=batch, q_len=q_len, kv_len=kv_len,
+        num_heads=4, num_kv_heads=2, head_dim=head_dim, dtype="bfloat16")
+    lengths = dict(query_seq_lengths=jnp.array([300, 129], jnp.int32),
+                   key_value_seq_lengths=jnp.array([77, 430], jnp.int32))
+    ids = lambda n, edge: jnp.stack(
+        [(jnp.arange(n) >= edge).astype(jnp.int32)] * batch)
+    kwargs = case if isinstance(case, dict) else {
+        "lengths_soft_cap": dict(logits_soft_cap=20.0, **lengths),
+        "segments": dict(q_segment_ids=ids(q_len, 130),
+                         kv_segment_ids=ids(kv_len, 200)),
+        "bottom_right_window": dict(
+            is_causal=True, causal_alignment="bottom_right",
+            local_window_size=(150, 20), **lengths),
+    }[case]
+    sizes = dataclasses.replace(
+        mosaic_config.default_block_sizes(head_dim), atomic_dq=True,
+        **tiles)
+    fn = functools.partial(jflash.flash_attention, implementation="mosaic",
+                           block_sizes=sizes, **kwargs)
+    step = jax.jit(functools.partial(test_util.value_and_grads, fn))
+    results = jax.block_until_ready(step(q, k, v, dout))
     test_util.assert_close_to_reference(self, results, q, k, v, dout,
                                         **kwargs)
 

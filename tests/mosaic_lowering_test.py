@@ -11,6 +11,7 @@ numerically, with a model of their tile walks built from the helpers they
 call.
 """
 
+import dataclasses
 from unittest import mock
 
 from absl.testing import absltest
@@ -139,6 +140,27 @@ class MosaicLoweringTest(parameterized.TestCase):
         None, block_sizes=MosaicBlockSizes(
             block_kv=128, num_stages=3, block_kv_dq=128, block_q_dkv=128,
             backward_stages=2))
+
+  @parameterized.named_parameters(
+      # The opt-in 5-product backward (dQ by reduce-adds from the dK/dV
+      # kernel): its dQ pieces (`config.atomic_dq_pieces`) by columns at
+      # head dim 128, by rows at 64 with its default 128-row query tiles,
+      # one warpgroup's alone at 64 x 64.
+      ("d128_gqa_causal_segments", (2, 200, 300, 4, 2, 128),
+       dict(is_causal=True, has_segments=True), None, {}),
+      ("d64_lengths_window_soft_cap", (2, 256, 320, 2, 2, 64),
+       dict(is_causal=True, has_lengths=True, window=(100, 0)), 20.0, {}),
+      ("d64_one_piece", (1, 192, 130, 2, 1, 64), {}, None,
+       dict(block_q_dkv=64)),
+  )
+  def test_atomic_dq_lowers_for_cuda(self, shape, mask_options, soft_cap,
+                                     tiles):
+    head_dim = shape[-1]
+    sizes = dataclasses.replace(
+        mosaic_config.default_block_sizes(head_dim), atomic_dq=True,
+        **tiles)
+    self._check_lowering("atomic_dq", shape, "bfloat16", mask_options,
+                         soft_cap, block_sizes=sizes)
 
   @parameterized.named_parameters(
       ("d128_gqa_causal_lengths_sinks", (2, 200, 300, 4, 2, 128),

@@ -78,7 +78,9 @@ from jflash._src import numerics
 from jflash._src import sharding
 from jflash._src.backends.mosaic import pipeline
 from jflash._src.backends.mosaic.config import BWD_COMPUTE_WARPGROUPS
+from jflash._src.backends.mosaic.config import DQ_PIECE
 from jflash._src.backends.mosaic.config import MosaicBlockSizes
+from jflash._src.backends.mosaic.config import atomic_dq_pieces
 from jflash._src.backends.mosaic.config import backward_splits_products
 from jflash._src.backends.mosaic.config import backward_warpgroup_split
 from jflash._src.backends.mosaic.forward import COMPUTE_REGISTERS
@@ -92,9 +94,16 @@ from jflash._src.spec import Operands
 
 COMPUTE_WARPGROUPS = BWD_COMPUTE_WARPGROUPS
 PRODUCER = COMPUTE_WARPGROUPS
-# atomic_dq: dQ columns per product and reduce-add (a [64, 128] float32
-# accumulator beside dK's and dV's spills registers at head dim 128).
-DQ_SUM_COLUMNS = 64
+
+
+def dq_pieces(block_q: int, head_dim: int):
+  """atomic_dq: per compute warpgroup, the (rows, columns) slices of the
+  [block_q, H] dQ tile it multiplies and reduce-adds
+  (`config.atomic_dq_pieces`: pieces of DQ_PIECE x DQ_PIECE)."""
+  return tuple(
+      tuple((pl.ds(row, DQ_PIECE), pl.ds(column, DQ_PIECE))
+            for row, column in pieces)
+      for pieces in atomic_dq_pieces(block_q, head_dim))
 
 
 def _columns(ref, chunk: int, width: int, chunks: int):
@@ -537,11 +546,12 @@ class DkvScratch:
       else None.
     q_ids: with segments, int32 [stages, block_q]: the ring of the query
       tiles' ids; else None.
-    ds: with atomic_dq, [row_groups, block_kv, block_q]: each row group's
-      dS^T, the left operand of its dQ product; else None.
-    dq_stage: with atomic_dq, float32 [row_groups, H / DQ_SUM_COLUMNS,
-      block_q, DQ_SUM_COLUMNS]: each row group's dQ column chunks for their
-      reduce-adds; else None.
+    ds: with atomic_dq, [stages, row_groups, block_kv, block_q]: per ring
+      slot, each row group's dS^T, transposed the left operands of the dQ
+      products of both warpgroups; else None.
+    dq_stage: with atomic_dq, float32 [COMPUTE_WARPGROUPS, pieces,
+      DQ_PIECE, DQ_PIECE]: each warpgroup's dQ pieces (`dq_pieces`) for
+      their reduce-adds; else None.
     kv_ready: per row group: its K and V (and ids) loaded.
     q_ready: per slot: its Q and lse (and ids) loaded.
     do_ready: per slot: its dO and delta loaded.
@@ -554,6 +564,7 @@ class DkvScratch:
       the gradients warpgroup; else None.
     probs_ready, probs_free: with the product split, the hand-over's
       barriers (`_hand_over`, `_take_over`); else None.
+    ds_ready: with atomic_dq, per slot: both row groups' dS^T written.
   """
 
   rows: Any
@@ -573,6 +584,7 @@ class DkvScratch:
   probs: Any = None
   probs_ready: Any = None
   probs_free: Any = None
+  ds_ready: Any = None
 
 
 def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
@@ -703,12 +715,9 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     plgpu.barrier_wait(scratch.kv_ready.at[row_group])
     probabilities_of = transposed_probabilities(row_group, k_start, k_tile)
 
-    def step(q_tile_index, carry, *, head_step, kind: str):
-      dk, dv = carry
-      slot = query_tile_slot(q_tile_index, head_step, kind)
-      if slot is None:
-        return carry
-      q_tile, do_tile = scratch.q.at[slot], scratch.do.at[slot]
+    def tile_gradients(slot, q_tile_index, kind: str, dv):
+      """(dV + P^T dO, dS^T in the input dtype) of query tile `slot`."""
+      do_tile = scratch.do.at[slot]
       probs, capped = probabilities_of(slot, q_tile_index, kind)
 
       plgpu.barrier_wait(scratch.do_ready.at[slot])
@@ -726,49 +735,86 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       delta = plgpu.load(scratch.delta.at[slot], layout=column_layout)
       ds_t = _score_gradient(probs, capped, dp_t,
                              lax.broadcast_in_dim(delta, tile_shape, [1]))
+      return dv, ds_t.astype(dtype)
 
-      ds_t = ds_t.astype(dtype)
-
-      dk = _accumulated(dk, ds_t, _columns(q_tile, chunk, width, chunks))
-      if refs.dq_sum is not None:
-        add_query_gradient(ds_t, pipeline.tile_start(q_tile_index, block_q),
-                           kv_head * group + head_step)
+    def step(q_tile_index, carry, *, head_step, kind: str):
+      dk, dv = carry
+      slot = query_tile_slot(q_tile_index, head_step, kind)
+      if slot is None:
+        return carry
+      dv, ds_t = tile_gradients(slot, q_tile_index, kind, dv)
+      dk = _accumulated(dk, ds_t,
+                        _columns(scratch.q.at[slot], chunk, width, chunks))
       plgpu.barrier_arrive(scratch.consumed.at[slot])
       return dk, dv
 
-    def add_query_gradient(ds_t, q_start, head):
-      """dq_sum[q rows, head] += dS K (atomic_dq): dS^T goes through shared
-      memory (the product needs it transposed, as wgmma's left operand),
-      the float32 product through staging tiles and TMA reduce-adds, in
-      column chunks of DQ_SUM_COLUMNS (registers: dK and dV are live)."""
-      ds_tile = scratch.ds.at[row_group]
-      ds_tile[...] = ds_t
+    def atomic_step(q_tile_index, carry, *, head_step, kind: str):
+      """`step` with atomic_dq: also adds the tile's dQ = dS K over the
+      block's keys into dq_sum. A tile this row group skips still takes
+      part (its dS^T zero): the other row group's may not be."""
+      dk, dv = carry
+      slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
+      plgpu.barrier_wait(scratch.q_ready.at[slot])
+      if kind == "skip":
+        plgpu.barrier_wait(scratch.do_ready.at[slot])
+        ds_t = plgpu.layout_cast(jnp.zeros(tile_shape, dtype), wgmma_layout)
+      else:
+        dv, ds_t = tile_gradients(slot, q_tile_index, kind, dv)
+      # This row group's dS^T for both warpgroups' dQ products. The slot's
+      # dS^T of `stages` steps ago is read: both warpgroups arrived on its
+      # `consumed` after their products, before the producer refilled the
+      # slot whose Q this step waited for.
+      scratch.ds.at[slot, row_group][...] = ds_t
       plgpu.commit_smem()
-      num_chunks = head_dim // DQ_SUM_COLUMNS
-      for c in range(num_chunks):
-        columns = pl.ds(c * DQ_SUM_COLUMNS, DQ_SUM_COLUMNS)
+      plgpu.barrier_arrive(scratch.ds_ready.at[slot])
+      if kind != "skip":
+        dk = _accumulated(dk, ds_t, scratch.q.at[slot])
+      add_query_gradient(slot, pipeline.tile_start(q_tile_index, block_q),
+                         kv_head * group + head_step)
+      plgpu.barrier_arrive(scratch.consumed.at[slot])
+      return dk, dv
 
-        def queries(acc_ref):
-          plgpu.wgmma(acc_ref, ds_tile.T, k_tile.at[:, columns])
+    def add_query_gradient(slot, q_start, head):
+      """dq_sum[q rows, head] += dS K (atomic_dq) over the block's keys,
+      once both row groups' dS^T are in shared memory: the [block_q, H] dQ
+      tile is cut into 64 x 64 pieces (`dq_pieces`), split between the
+      warpgroups; each piece sums both row groups' keys in its product and
+      goes out through a float32 staging tile and one TMA reduce-add, so
+      each dQ element takes one reduce-add per block of keys."""
+      for warpgroup, pieces in enumerate(dq_pieces(block_q, head_dim)):
+        if pieces:
+          pl.when(row_group == warpgroup)(functools.partial(
+              add_pieces, warpgroup, pieces, slot, q_start, head))
+
+    def add_pieces(warpgroup: int, pieces, slot, q_start, head):
+      plgpu.barrier_wait(scratch.ds_ready.at[slot])
+      for index, (rows, columns) in enumerate(pieces):
+
+        def product(acc_ref):
+          for group_keys in range(row_groups):
+            ds_tile = scratch.ds.at[slot, group_keys].at[:, rows]
+            plgpu.wgmma(acc_ref, ds_tile.T,
+                        k_smem.at[group_keys].at[:, columns])
           return acc_ref[...]
 
-        dq = pl.run_scoped(queries, plgpu.ACC((block_q, DQ_SUM_COLUMNS),
+        dq = pl.run_scoped(product, plgpu.ACC((DQ_PIECE, DQ_PIECE),
                                               jnp.float32))
-        # This chunk's previous reduce-add (num_chunks copies ago) must
-        # have read its staging tile.
-        plgpu.wait_smem_to_gmem(num_chunks - 1, wait_read_only=True)
-        dq_tile = scratch.dq_stage.at[row_group, c]
+        # This piece's reduce-add of the step before (len(pieces) copies
+        # ago) must have read its staging tile.
+        plgpu.wait_smem_to_gmem(len(pieces) - 1, wait_read_only=True)
+        dq_tile = scratch.dq_stage.at[warpgroup, index]
         dq_tile[...] = dq
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
-            dq_tile, refs.dq_sum.at[batch, pl.ds(q_start, block_q), head,
-                                    columns],
+            dq_tile, refs.dq_sum.at[batch, pl.ds(q_start + rows.start,
+                                                 DQ_PIECE), head, columns],
             reduction_op="add")
 
     runs = query_runs(k_start)
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32),
                               wgmma_layout)
-    dk, dv = walk_query_tiles(runs, step, (zeros, zeros))
+    dk, dv = walk_query_tiles(
+        runs, step if refs.dq_sum is None else atomic_step, (zeros, zeros))
 
     if chunks > 1:
       # The other chunk's warpgroup may still read K and V, which `stage`
@@ -1020,6 +1066,10 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
         num_threads=COMPUTE_WARPGROUPS + 1)
 
   block_q, block_kv = block_sizes.block_q_dkv, block_sizes.block_kv_dkv
+  if atomic_dq:
+    assert row_groups == COMPUTE_WARPGROUPS and chunks == 1, (row_groups,
+                                                              chunks)
+    max_pieces = max(map(len, dq_pieces(block_q, head_dim)))
   dkv_scratch = DkvScratch(
       rows=_rows_scratch(tiles, dtype, block_kv, head_dim, row_groups,
                          rows_chunks),
@@ -1029,11 +1079,11 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
       delta=stats(stages, block_q),
       kv_ids=ids_scratch(row_groups, block_kv),
       q_ids=ids_scratch(stages, block_q),
-      ds=(plgpu.SMEM((row_groups, block_kv, block_q), dtype,
+      ds=(plgpu.SMEM((stages, row_groups, block_kv, block_q), dtype,
                      transforms=transforms)
           if atomic_dq else None),
-      dq_stage=(plgpu.SMEM((row_groups, head_dim // DQ_SUM_COLUMNS, block_q,
-                            DQ_SUM_COLUMNS), jnp.float32,
+      dq_stage=(plgpu.SMEM((COMPUTE_WARPGROUPS, max_pieces, DQ_PIECE,
+                            DQ_PIECE), jnp.float32,
                            transforms=smem_transforms(jnp.float32))
                 if atomic_dq else None),
       kv_ready=plgpu.Barrier(num_arrivals=2 + with_ids,
@@ -1046,6 +1096,9 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
                              num_barriers=stages),
       done=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
       **hand_over_scratch(block_kv, block_q),
+      **(dict(ds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
+                                     num_barriers=stages))
+         if atomic_dq else {}),
   )
   kv_struct = sharding.output_struct(key.shape, dtype, *operand_arrays)
   dkv_inputs = with_segments(False, block_kv, block_q)

@@ -157,9 +157,12 @@ class MosaicBlockSizes:
       dq += self.block_q_dq * self.block_kv_dq * 4
       dkv += self.block_kv_dkv * self.block_q_dkv * 4
     if self.atomic_dq:
-      # Per row group: dS^T (16-bit) and the float32 dQ staging.
-      dkv += row_groups * (self.block_kv_dkv * self.block_q_dkv * itemsize
-                           + self.block_q_dkv * head_dim * 4)
+      # Per stage and row group dS^T (16-bit); per warpgroup the float32
+      # staging of its dQ pieces.
+      pieces = max(map(len, atomic_dq_pieces(self.block_q_dkv, head_dim)))
+      dkv += (stages * row_groups * self.block_kv_dkv * self.block_q_dkv
+              * itemsize
+              + BWD_COMPUTE_WARPGROUPS * pieces * DQ_PIECE * DQ_PIECE * 4)
     return max(dq, dkv)
 
   def check_fits(self, head_dim: int, itemsize: int, *,
@@ -231,6 +234,24 @@ BWD_MAX_ACC_COLUMNS = 128
 # compute S and dP, and each accumulates half of the head-dim columns. Read
 # when a call is traced.
 BWD_SHARED_ROW_SPLIT = "products"
+# atomic_dq: the dQ tile [block_q_dkv, H] of a dK/dV step is multiplied and
+# reduce-added in square pieces of this side, dealt out to the compute
+# warpgroups (a [64, 128] float32 accumulator beside dK's and dV's spills
+# registers at head dim 128).
+DQ_PIECE = 64
+
+
+def atomic_dq_pieces(block_q: int, head_dim: int
+                     ) -> tuple[tuple[tuple[int, int], ...], ...]:
+  """atomic_dq: per compute warpgroup, the (first row, first column) of
+  the DQ_PIECE x DQ_PIECE pieces of the [block_q, head_dim] dQ tile it
+  computes: row-major pieces dealt out in turn (head dim 128 with 64-row
+  tiles: a column half each; head dim 64 with 128-row tiles: a row half
+  each; 64 x 64: warpgroup 0 alone)."""
+  pieces = [(row, column) for row in range(0, block_q, DQ_PIECE)
+            for column in range(0, head_dim, DQ_PIECE)]
+  return tuple(tuple(pieces[wg::BWD_COMPUTE_WARPGROUPS])
+               for wg in range(BWD_COMPUTE_WARPGROUPS))
 
 
 def backward_warpgroup_split(head_dim: int) -> tuple[int, int]:
