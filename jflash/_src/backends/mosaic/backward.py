@@ -546,8 +546,8 @@ class DkvScratch:
       else None.
     q_ids: with segments, int32 [stages, block_q]: the ring of the query
       tiles' ids; else None.
-    ds: with atomic_dq, [stages, row_groups, block_kv, block_q]: per ring
-      slot, each row group's dS^T, transposed the left operands of the dQ
+    ds: with atomic_dq, [2, row_groups, block_kv, block_q]: by step
+      parity, each row group's dS^T, transposed the left operands of the dQ
       products of both warpgroups; else None.
     dq_stage: with atomic_dq, float32 [COMPUTE_WARPGROUPS, pieces,
       DQ_PIECE, DQ_PIECE]: each warpgroup's dQ pieces (`dq_pieces`) for
@@ -557,14 +557,17 @@ class DkvScratch:
     do_ready: per slot: its dO and delta loaded.
     consumed: per slot: every compute warpgroup is done with it.
     done: the compute warpgroups are done reading K and V (column chunks:
-      before the staging that aliases them is written; product split:
-      before dK and dV are written over K and V).
+      before the staging that aliases them is written; product split and
+      atomic_dq: before dK and dV are written over K and V).
     probs: with the product split, float32 [block_kv, block_q]: the
       probabilities warpgroup's transposed `_score_factor` tile, handed to
       the gradients warpgroup; else None.
     probs_ready, probs_free: with the product split, the hand-over's
       barriers (`_hand_over`, `_take_over`); else None.
-    ds_ready: with atomic_dq, per slot: both row groups' dS^T written.
+    ds_ready: with atomic_dq, per ds buffer: both row groups' dS^T
+      written.
+    ds_free: with atomic_dq, per ds buffer: both warpgroups' dQ products
+      have read it.
   """
 
   rows: Any
@@ -585,6 +588,7 @@ class DkvScratch:
   probs_ready: Any = None
   probs_free: Any = None
   ds_ready: Any = None
+  ds_free: Any = None
 
 
 def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
@@ -749,10 +753,13 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       return dk, dv
 
     def atomic_step(q_tile_index, carry, *, head_step, kind: str):
-      """`step` with atomic_dq: also adds the tile's dQ = dS K over the
-      block's keys into dq_sum. A tile this row group skips still takes
-      part (its dS^T zero): the other row group's may not be."""
+      """`step` with atomic_dq: also shares the tile's dS^T and adds the
+      dQ = dS K of the step before into dq_sum (`add_query_gradient`). A
+      tile this row group skips still takes part (its dS^T zero): the
+      other row group's may not be."""
       dk, dv = carry
+      index = head_step * block.tiles_per_head + (q_tile_index
+                                                  - block.tiles_lo)
       slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
       plgpu.barrier_wait(scratch.q_ready.at[slot])
       if kind == "skip":
@@ -760,39 +767,59 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
         ds_t = plgpu.layout_cast(jnp.zeros(tile_shape, dtype), wgmma_layout)
       else:
         dv, ds_t = tile_gradients(slot, q_tile_index, kind, dv)
-      # This row group's dS^T for both warpgroups' dQ products. The slot's
-      # dS^T of `stages` steps ago is read: both warpgroups arrived on its
-      # `consumed` after their products, before the producer refilled the
-      # slot whose Q this step waited for.
-      scratch.ds.at[slot, row_group][...] = ds_t
+      # This row group's dS^T, for both warpgroups' dQ products in the next
+      # step, into the buffer both have read two steps ago.
+      buffer = lax.rem(index, 2)
+      plgpu.barrier_wait(scratch.ds_free.at[buffer])
+      scratch.ds.at[buffer, row_group][...] = ds_t
       plgpu.commit_smem()
-      plgpu.barrier_arrive(scratch.ds_ready.at[slot])
+      plgpu.barrier_arrive(scratch.ds_ready.at[buffer])
       if kind != "skip":
         dk = _accumulated(dk, ds_t, scratch.q.at[slot])
-      add_query_gradient(slot, pipeline.tile_start(q_tile_index, block_q),
-                         kv_head * group + head_step)
       plgpu.barrier_arrive(scratch.consumed.at[slot])
+      pl.when(index > 0)(lambda: add_query_gradient(index - 1))
       return dk, dv
 
-    def add_query_gradient(slot, q_start, head):
-      """dq_sum[q rows, head] += dS K (atomic_dq) over the block's keys,
-      once both row groups' dS^T are in shared memory: the [block_q, H] dQ
-      tile is cut into 64 x 64 pieces (`dq_pieces`), split between the
+    def add_query_gradient(index):
+      """dq_sum[q rows, head] += dS K of step `index` (atomic_dq), over the
+      block's keys, once both row groups' dS^T of that step are in shared
+      memory. One step late, so that the two warpgroups may drift apart by
+      up to a step (each one's softmax under the other's products) instead
+      of meeting at every step. The [block_q, H] dQ tile is cut into
+      64 x 64 pieces (`config.atomic_dq_pieces`) split between the
       warpgroups; each piece sums both row groups' keys in its product and
-      goes out through a float32 staging tile and one TMA reduce-add, so
-      each dQ element takes one reduce-add per block of keys."""
-      for warpgroup, pieces in enumerate(dq_pieces(block_q, head_dim)):
-        if pieces:
-          pl.when(row_group == warpgroup)(functools.partial(
-              add_pieces, warpgroup, pieces, slot, q_start, head))
+      goes out through a float32 staging tile and one TMA reduce-add: one
+      reduce-add per dQ element per block of keys."""
+      buffer = lax.rem(index, 2)
+      head_step = lax.div(index, block.tiles_per_head)
+      q_start = pipeline.tile_start(
+          block.tiles_lo + lax.rem(index, block.tiles_per_head), block_q)
+      head = kv_head * group + head_step
+      per_warpgroup = atomic_dq_pieces(block_q, head_dim)
+      if len(set(map(len, per_warpgroup))) == 1:
+        # As many pieces each: piece j's offsets picked by the (traced) row
+        # group, one copy of the code.
+        pieces = []
+        for j in range(len(per_warpgroup[0])):
+          (r0, c0), (r1, c1) = per_warpgroup[0][j], per_warpgroup[1][j]
+          pick = lambda a, b: a if a == b else a + row_group * (b - a)
+          pieces.append((pl.ds(pick(r0, r1), DQ_PIECE),
+                         pl.ds(pick(c0, c1), DQ_PIECE)))
+        add_pieces(row_group, pieces, buffer, q_start, head)
+      else:
+        for warpgroup, pieces in enumerate(dq_pieces(block_q, head_dim)):
+          if pieces:
+            pl.when(row_group == warpgroup)(functools.partial(
+                add_pieces, warpgroup, pieces, buffer, q_start, head))
+      plgpu.barrier_arrive(scratch.ds_free.at[buffer])
 
-    def add_pieces(warpgroup: int, pieces, slot, q_start, head):
-      plgpu.barrier_wait(scratch.ds_ready.at[slot])
+    def add_pieces(warpgroup, pieces, buffer, q_start, head):
+      plgpu.barrier_wait(scratch.ds_ready.at[buffer])
       for index, (rows, columns) in enumerate(pieces):
 
         def product(acc_ref):
           for group_keys in range(row_groups):
-            ds_tile = scratch.ds.at[slot, group_keys].at[:, rows]
+            ds_tile = scratch.ds.at[buffer, group_keys].at[:, rows]
             plgpu.wgmma(acc_ref, ds_tile.T,
                         k_smem.at[group_keys].at[:, columns])
           return acc_ref[...]
@@ -813,8 +840,15 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     runs = query_runs(k_start)
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32),
                               wgmma_layout)
-    dk, dv = walk_query_tiles(
-        runs, step if refs.dq_sum is None else atomic_step, (zeros, zeros))
+    if refs.dq_sum is None:
+      dk, dv = walk_query_tiles(runs, step, (zeros, zeros))
+    else:
+      for buffer in range(2):  # Both dS^T buffers start free.
+        plgpu.barrier_arrive(scratch.ds_free.at[buffer])
+      dk, dv = walk_query_tiles(runs, atomic_step, (zeros, zeros))
+      # The last step's dQ.
+      pl.when(block.num_steps > 0)(
+          lambda: add_query_gradient(block.num_steps - 1))
 
     if chunks > 1:
       # The other chunk's warpgroup may still read K and V, which `stage`
@@ -823,6 +857,11 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       plgpu.barrier_wait(scratch.done)
       dk_tile, dv_tile = stage[0].at[chunk], stage[1].at[chunk]
     else:
+      if refs.dq_sum is not None:
+        # The other warpgroup's dQ pieces may still read this row group's
+        # K, which dK is written over: wait for it.
+        plgpu.barrier_arrive(scratch.done)
+        plgpu.barrier_wait(scratch.done)
       dk_tile, dv_tile = k_tile, v_tile
     rows = (batch, pl.ds(k_start, block_kv), kv_head,
             pl.ds(chunk * width, width))
@@ -1079,7 +1118,7 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
       delta=stats(stages, block_q),
       kv_ids=ids_scratch(row_groups, block_kv),
       q_ids=ids_scratch(stages, block_q),
-      ds=(plgpu.SMEM((stages, row_groups, block_kv, block_q), dtype,
+      ds=(plgpu.SMEM((2, row_groups, block_kv, block_q), dtype,
                      transforms=transforms)
           if atomic_dq else None),
       dq_stage=(plgpu.SMEM((COMPUTE_WARPGROUPS, max_pieces, DQ_PIECE,
@@ -1097,7 +1136,9 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
       done=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
       **hand_over_scratch(block_kv, block_q),
       **(dict(ds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
-                                     num_barriers=stages))
+                                     num_barriers=2),
+              ds_free=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
+                                    num_barriers=2))
          if atomic_dq else {}),
   )
   kv_struct = sharding.output_struct(key.shape, dtype, *operand_arrays)

@@ -157,10 +157,10 @@ class MosaicBlockSizes:
       dq += self.block_q_dq * self.block_kv_dq * 4
       dkv += self.block_kv_dkv * self.block_q_dkv * 4
     if self.atomic_dq:
-      # Per stage and row group dS^T (16-bit); per warpgroup the float32
-      # staging of its dQ pieces.
+      # Two buffers of each row group's dS^T (16-bit); per warpgroup the
+      # float32 staging of its dQ pieces.
       pieces = max(map(len, atomic_dq_pieces(self.block_q_dkv, head_dim)))
-      dkv += (stages * row_groups * self.block_kv_dkv * self.block_q_dkv
+      dkv += (2 * row_groups * self.block_kv_dkv * self.block_q_dkv
               * itemsize
               + BWD_COMPUTE_WARPGROUPS * pieces * DQ_PIECE * DQ_PIECE * 4)
     return max(dq, dkv)
