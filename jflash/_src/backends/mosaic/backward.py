@@ -94,6 +94,12 @@ from jflash._src.spec import Operands
 
 COMPUTE_WARPGROUPS = BWD_COMPUTE_WARPGROUPS
 PRODUCER = COMPUTE_WARPGROUPS
+# atomic_dq: the dK/dV kernel's registers a thread (compute warpgroups,
+# producer). FlashAttention-3's split for two consumer warpgroups: its
+# accumulators spill less than at 232/40 and it ran 3-4% faster; the
+# default kernels lost 0-4% with it (RECORD 2026-11-26, "the atomic dK/dV
+# kernel's spills").
+ATOMIC_DQ_REGISTERS = (240, 24)
 
 
 def dq_pieces(block_q: int, head_dim: int):
@@ -626,6 +632,9 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
   kv_ids, q_ids = pipeline.segment_sources(segments, scratch.kv_ids,
                                            scratch.q_ids)
 
+  compute_registers, producer_registers = (
+      (COMPUTE_REGISTERS, PRODUCER_REGISTERS) if refs.dq_sum is None
+      else ATOMIC_DQ_REGISTERS)
   wgmma_layout = plgpu.Layout.WGMMA
   column_layout = plgpu.Layout.WGMMA.reduce(0)
   # Transposed tiles: rows are keys, columns queries.
@@ -713,7 +722,7 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     return slot
 
   def consumer(row_group, chunk: int):
-    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    plgpu.set_max_registers(compute_registers, action="increase")
     k_start = pipeline.row_group_start(block.start, row_group, block_kv)
     k_tile, v_tile = k_smem.at[row_group], v_smem.at[row_group]
     plgpu.barrier_wait(scratch.kv_ready.at[row_group])
@@ -959,7 +968,7 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
 
   @pl.when(block.warpgroup == PRODUCER)
   def _producer():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(producer_registers, action="decrease")
     for row_group in range(row_groups):
       k_start = pipeline.row_group_start(block.start, row_group, block_kv)
       rows = (batch, pl.ds(k_start, block_kv), kv_head)
