@@ -9,6 +9,7 @@ against the bytes Triton requests on an H100
 (benchmarks/launch_limits.py; benchmarks/results/RECORD.md).
 """
 
+import dataclasses
 import itertools
 from unittest import mock
 
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import jflash
-
+from jflash._src import api
 from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.mosaic import delta as mosaic_delta
 from jflash._src.backends.triton import block_sizes
@@ -233,6 +234,35 @@ class TrainingLaunchTest(parameterized.TestCase):
                            mosaic_config.SMEM_BUDGET_BYTES)
       self.assertLessEqual(sizes.backward_smem_bytes(head_dim, 2),
                            mosaic_config.SMEM_BUDGET_BYTES)
+
+  def test_mosaic_atomic_dq_only_without_determinism(self):
+    # deterministic=False gives the 16-bit head-dim-64 calls atomic_dq on
+    # their default tiles (config.nondeterministic_tiles), which fit; head
+    # dim 128 (slower with it), FP8 and deterministic calls keep two
+    # backward kernels; tiles asking for atomic_dq in a deterministic call
+    # are a ValueError before any kernel runs.
+    def spec_of(head_dim, deterministic, dtype=jnp.bfloat16):
+      q = jnp.zeros((1, 256, 2, head_dim), dtype)
+      return api.describe(q, q, q, deterministic=deterministic).spec
+
+    for head_dim, deterministic, expected in (
+        (64, False, True), (64, True, False), (128, False, False),
+        (256, False, False)):
+      spec = spec_of(head_dim, deterministic)
+      tiles = mosaic_config.MosaicConfig.for_call(spec).block_sizes
+      self.assertEqual(tiles.atomic_dq, expected, msg=f"{head_dim=}")
+      self.assertLessEqual(tiles.backward_smem_bytes(head_dim, 2),
+                           mosaic_config.SMEM_BUDGET_BYTES)
+    fp8 = dataclasses.replace(spec_of(64, False), dtype="float8_e4m3fn")
+    self.assertFalse(mosaic_config.nondeterministic_tiles(
+        mosaic_config.default_fp8_block_sizes(64), fp8).atomic_dq)
+    atomic = dataclasses.replace(mosaic_config.default_block_sizes(128),
+                                 atomic_dq=True)
+    with self.assertRaisesRegex(ValueError, "deterministic=False"):
+      mosaic_config.MosaicConfig.for_call(spec_of(128, True),
+                                          block_sizes=atomic)
+    self.assertTrue(mosaic_config.MosaicConfig.for_call(
+        spec_of(128, False), block_sizes=atomic).block_sizes.atomic_dq)
 
   def test_mosaic_d256_backward_counts_the_hand_over(self):
     # The product split at head dim 256 (config.backward_splits_products)

@@ -194,6 +194,9 @@ class CallSpec:
     return_lse: whether the call also returns the natural-log lse.
     out_dtype: the name of the output's dtype, set for FP8 calls only
       (default "bfloat16"); None: the inputs' dtype.
+    deterministic: whether the gradients must be bitwise the same run to
+      run (`flash_attention`'s `deterministic`): False lets a backend pick
+      kernels whose float32 sums vary in order where they are faster.
   """
 
   batch: int
@@ -210,6 +213,7 @@ class CallSpec:
   modifiers: ModifierSpec = ModifierSpec()
   return_lse: bool = False
   out_dtype: str | None = None
+  deterministic: bool = True
 
   @property
   def group(self) -> int:
@@ -242,7 +246,8 @@ def describe_call(operands: Operands, *, scale: float, is_causal: bool,
                   logits_soft_cap: float | None = None,
                   dropout_rate: float = 0.0,
                   return_lse: bool = False,
-                  out_dtype: str | None = None) -> CallSpec:
+                  out_dtype: str | None = None,
+                  deterministic: bool = True) -> CallSpec:
   """The call's spec; every presence flag is read off `operands` here.
 
   Args:
@@ -286,7 +291,8 @@ def describe_call(operands: Operands, *, scale: float, is_causal: bool,
       mask=mask, logits_soft_cap=logits_soft_cap,
       has_bias=operands.bias is not None, modifiers=modifiers,
       return_lse=bool(return_lse),
-      out_dtype=(out_dtype or FP8_OUT_DTYPE) if fp8 else None)
+      out_dtype=(out_dtype or FP8_OUT_DTYPE) if fp8 else None,
+      deterministic=bool(deterministic))
 
 
 @dataclasses.dataclass(frozen=True)

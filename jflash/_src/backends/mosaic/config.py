@@ -49,7 +49,9 @@ class MosaicBlockSizes:
       float32 buffer with TMA reduce-adds, so the dQ kernel's recomputation
       of S and dP is saved (5 matrix products instead of 7). The order of
       those additions varies between runs: dQ is NOT bitwise
-      deterministic with it (the default is).
+      deterministic with it (the default is), so it needs
+      `flash_attention(..., deterministic=False)`, which also turns it on
+      by itself where it is faster (`nondeterministic_tiles`).
   """
 
   block_q: int = 64
@@ -328,6 +330,29 @@ def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
   return sizes
 
 
+# `flash_attention(..., deterministic=False)`: the head dims at which the
+# call's 16-bit tiles take atomic_dq (the 5-product backward, dQ by float32
+# reduce-adds), where it was faster than the default backward: D=64 1.10x
+# fwd+bwd non-causal, 1.01x causal at 2x4096; D=128 0.95-0.99x, 0.81x at
+# 4x2048 causal (H100, 2026-11-26, RECORD "the atomic dQ at 240 registers
+# on all rows").
+NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS = (64,)
+
+
+def nondeterministic_tiles(tiles: MosaicBlockSizes, spec: CallSpec
+                           ) -> MosaicBlockSizes:
+  """The call's tiles with atomic_dq where `deterministic=False` allows it
+  and it was faster (NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS; 16-bit inputs,
+  shared memory permitting); else `tiles` as they are."""
+  if (spec.deterministic or is_fp8(spec)
+      or spec.head_dim not in NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS):
+    return tiles
+  atomic = dataclasses.replace(tiles, atomic_dq=True)
+  if atomic.backward_smem_bytes(spec.head_dim, ITEMSIZE) > SMEM_BUDGET_BYTES:
+    return tiles
+  return atomic
+
+
 def check_fits(tiles: MosaicBlockSizes, spec: CallSpec) -> None:
   """`tiles.check_fits` (FP8: `check_fits_fp8`) at the call's head dim,
   with its segment ids."""
@@ -353,14 +378,23 @@ class MosaicConfig:
                block_sizes: MosaicBlockSizes | None = None) -> MosaicConfig:
     """The call's configuration (the backend's `configure`): the user's
     `block_sizes`, else the tiles `jflash.autotune` cached for this device
-    and shape, else `default_tiles`.
+    and shape, else `default_tiles`; without a user's tiles, with
+    atomic_dq where `spec.deterministic` is False and it is faster
+    (`nondeterministic_tiles`).
 
     Raises:
-      ValueError: if the tiles exceed Hopper's shared memory.
+      ValueError: if the tiles exceed Hopper's shared memory, or ask for
+        atomic_dq while the call asks for deterministic gradients.
       NotImplementedError: for atomic_dq at a head dim over 128.
     """
     if block_sizes is None:
-      block_sizes = (cache.tuned(spec, "mosaic", MosaicBlockSizes)
-                     or default_tiles(spec))
+      block_sizes = nondeterministic_tiles(
+          cache.tuned(spec, "mosaic", MosaicBlockSizes)
+          or default_tiles(spec), spec)
+    elif block_sizes.atomic_dq and spec.deterministic:
+      raise ValueError(
+          "block_sizes.atomic_dq=True adds dQ up in an order that varies "
+          "between runs; pass deterministic=False with it (flash_attention's "
+          "gradients are bitwise deterministic by default).")
     check_fits(block_sizes, spec)
     return cls(block_sizes=block_sizes)
