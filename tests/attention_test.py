@@ -268,9 +268,9 @@ class MosaicAtomicDqTest(parameterized.TestCase):
   True)`: dQ by float32 reduce-adds from the dK/dV kernel, its pieces
   dealt out to the two warpgroups, `config.atomic_dq_pieces`) against the
   XLA path, with masks that make one row group skip tiles the other
-  computes: at head dim 64 as `deterministic=False` picks it by itself, at
-  128 and with one warpgroup's piece through tiles. Not bitwise
-  deterministic (the adds' order varies). Hopper only."""
+  computes (`deterministic=False` picks it by itself only for longer
+  sequences: config.nondeterministic_tiles). Not bitwise deterministic
+  (the adds' order varies). Hopper only."""
 
   def setUp(self):
     super().setUp()
@@ -299,12 +299,8 @@ class MosaicAtomicDqTest(parameterized.TestCase):
             is_causal=True, causal_alignment="bottom_right",
             local_window_size=(150, 20), **lengths),
     }[case]
-    if head_dim == 64 and not tiles:
-      sizes = None  # deterministic=False turns atomic_dq on at head dim 64.
-    else:
-      sizes = dataclasses.replace(
-          mosaic_config.default_block_sizes(head_dim), atomic_dq=True,
-          **tiles)
+    sizes = dataclasses.replace(
+        mosaic_config.default_block_sizes(head_dim), atomic_dq=True, **tiles)
     fn = functools.partial(jflash.flash_attention, implementation="mosaic",
                            block_sizes=sizes, deterministic=False, **kwargs)
     step = jax.jit(functools.partial(test_util.value_and_grads, fn))

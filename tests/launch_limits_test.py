@@ -236,21 +236,24 @@ class TrainingLaunchTest(parameterized.TestCase):
                            mosaic_config.SMEM_BUDGET_BYTES)
 
   def test_mosaic_atomic_dq_only_without_determinism(self):
-    # deterministic=False gives the 16-bit head-dim-64 calls atomic_dq on
-    # their default tiles (config.nondeterministic_tiles), which fit; head
-    # dim 128 (slower with it), FP8 and deterministic calls keep two
-    # backward kernels; tiles asking for atomic_dq in a deterministic call
-    # are a ValueError before any kernel runs.
-    def spec_of(head_dim, deterministic, dtype=jnp.bfloat16):
-      q = jnp.zeros((1, 256, 2, head_dim), dtype)
+    # deterministic=False gives 16-bit head-dim-64 calls over >= 4096
+    # queries and keys atomic_dq on their default tiles
+    # (config.nondeterministic_tiles), which fit; shorter ones, head dim
+    # 128 (slower with it), FP8 and deterministic calls keep two backward
+    # kernels; tiles asking for atomic_dq in a deterministic call are a
+    # ValueError before any kernel runs.
+    def spec_of(head_dim, deterministic, length=4096):
+      q = jnp.zeros((1, length, 2, head_dim), jnp.bfloat16)
       return api.describe(q, q, q, deterministic=deterministic).spec
 
-    for head_dim, deterministic, expected in (
-        (64, False, True), (64, True, False), (128, False, False),
-        (256, False, False)):
-      spec = spec_of(head_dim, deterministic)
+    for head_dim, deterministic, length, expected in (
+        (64, False, 4096, True), (64, False, 4088, False),
+        (64, True, 4096, False), (128, False, 4096, False),
+        (256, False, 4096, False)):
+      spec = spec_of(head_dim, deterministic, length)
       tiles = mosaic_config.MosaicConfig.for_call(spec).block_sizes
-      self.assertEqual(tiles.atomic_dq, expected, msg=f"{head_dim=}")
+      self.assertEqual(tiles.atomic_dq, expected,
+                       msg=f"{head_dim=} {deterministic=} {length=}")
       self.assertLessEqual(tiles.backward_smem_bytes(head_dim, 2),
                            mosaic_config.SMEM_BUDGET_BYTES)
     fp8 = dataclasses.replace(spec_of(64, False), dtype="float8_e4m3fn")

@@ -261,11 +261,12 @@ def flash_attention(
     deterministic: True (the default): gradients are bitwise the same run
       after run (no kernel adds floats in a varying order). False lets a
       backend take such kernels where they are faster: today the Mosaic
-      backward at head dim 64 (16-bit inputs, its default tiles) adds dQ
-      into float32 with reduce-adds from the dK/dV kernel (one kernel, 5
-      matrix products instead of 7; forward+backward 1.10x faster at
-      2 x 4096 x 16 heads, 1.01x causal, on an H100); the last bits of dQ
-      then vary between runs. Other calls are unchanged by it.
+      backward at head dim 64 with 16-bit inputs, its default tiles and
+      4096 or more queries and keys adds dQ into float32 with reduce-adds
+      from the dK/dV kernel (one kernel, 5 matrix products instead of 7;
+      forward+backward on an H100 1.09x faster at 2 x 4096 x 16 heads,
+      1.03x at 1 x 16384, 1.01-1.03x causal); the last bits of dQ then
+      vary between runs. Other calls are unchanged by it.
 
   Returns:
     Array of `query`'s shape and dtype (FP8 inputs: `out_dtype`); with
