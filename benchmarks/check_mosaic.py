@@ -111,7 +111,7 @@ def check(case, implementation):
     # The opt-in one-kernel backward, default tiles otherwise.
     kernel_only["block_sizes"] = dataclasses.replace(
         mosaic_config.default_block_sizes(d), atomic_dq=True)
-    kernel_only["deterministic"] = False
+    kernel_only["deterministic_grads"] = False
   if "segments" in options:
     options["q_segment_ids"], options["kv_segment_ids"] = segment_ids(
         options.pop("segments"), b, t, s, keys[3])

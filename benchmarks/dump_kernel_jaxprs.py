@@ -133,7 +133,7 @@ def _mosaic_texts():
                     modifiers=ModifierSpec(has_sinks=sinks))
     config = mosaic.BACKEND.configure(spec)
     if atomic_dq:
-      spec = dataclasses.replace(spec, deterministic=False)
+      spec = dataclasses.replace(spec, deterministic_grads=False)
       config = mosaic.BACKEND.configure(spec, block_sizes=dataclasses.replace(
           config.block_sizes, atomic_dq=True))
     q = jnp.ones((batch, q_len, heads, head_dim), jnp.bfloat16)

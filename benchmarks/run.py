@@ -257,7 +257,7 @@ def attention_fn(impl: str, is_causal: bool) -> Callable[..., jax.Array]:
         from jflash._src.backends.mosaic import config as mosaic_config
         more["block_sizes"] = dataclasses.replace(
             mosaic_config.default_block_sizes(q.shape[-1]), atomic_dq=True)
-        more["deterministic"] = False
+        more["deterministic_grads"] = False
       return jflash.flash_attention(
           q, k, v, is_causal=is_causal, implementation=implementation,
           **more)

@@ -268,7 +268,7 @@ class MosaicAtomicDqTest(parameterized.TestCase):
   True)`: dQ by float32 reduce-adds from the dK/dV kernel, its pieces
   dealt out to the two warpgroups, `config.atomic_dq_pieces`) against the
   XLA path, with masks that make one row group skip tiles the other
-  computes (`deterministic=False` picks it by itself only for longer
+  computes (`deterministic_grads=False` picks it by itself only for longer
   sequences: config.nondeterministic_tiles). Not bitwise deterministic
   (the adds' order varies). Hopper only."""
 
@@ -302,7 +302,8 @@ class MosaicAtomicDqTest(parameterized.TestCase):
     sizes = dataclasses.replace(
         mosaic_config.default_block_sizes(head_dim), atomic_dq=True, **tiles)
     fn = functools.partial(jflash.flash_attention, implementation="mosaic",
-                           block_sizes=sizes, deterministic=False, **kwargs)
+                           block_sizes=sizes, deterministic_grads=False,
+                           **kwargs)
     step = jax.jit(functools.partial(test_util.value_and_grads, fn))
     results = jax.block_until_ready(step(q, k, v, dout))
     test_util.assert_close_to_reference(self, results, q, k, v, dout,

@@ -236,7 +236,7 @@ class TrainingLaunchTest(parameterized.TestCase):
                            mosaic_config.SMEM_BUDGET_BYTES)
 
   def test_mosaic_atomic_dq_only_without_determinism(self):
-    # deterministic=False gives 16-bit head-dim-64 calls over >= 4096
+    # deterministic_grads=False gives 16-bit head-dim-64 calls over >= 4096
     # queries and keys atomic_dq on their default tiles
     # (config.nondeterministic_tiles), which fit; shorter ones, head dim
     # 128 (slower with it), FP8 and deterministic calls keep two backward
@@ -244,7 +244,7 @@ class TrainingLaunchTest(parameterized.TestCase):
     # ValueError before any kernel runs.
     def spec_of(head_dim, deterministic, length=4096):
       q = jnp.zeros((1, length, 2, head_dim), jnp.bfloat16)
-      return api.describe(q, q, q, deterministic=deterministic).spec
+      return api.describe(q, q, q, deterministic_grads=deterministic).spec
 
     for head_dim, deterministic, length, expected in (
         (64, False, 4096, True), (64, False, 4088, False),
@@ -261,7 +261,7 @@ class TrainingLaunchTest(parameterized.TestCase):
         mosaic_config.default_fp8_block_sizes(64), fp8).atomic_dq)
     atomic = dataclasses.replace(mosaic_config.default_block_sizes(128),
                                  atomic_dq=True)
-    with self.assertRaisesRegex(ValueError, "deterministic=False"):
+    with self.assertRaisesRegex(ValueError, "deterministic_grads=False"):
       mosaic_config.MosaicConfig.for_call(spec_of(128, True),
                                           block_sizes=atomic)
     self.assertTrue(mosaic_config.MosaicConfig.for_call(

@@ -160,7 +160,7 @@ class MosaicLoweringTest(parameterized.TestCase):
         mosaic_config.default_block_sizes(head_dim), atomic_dq=True,
         **tiles)
     self._check_lowering("atomic_dq", shape, "bfloat16", mask_options,
-                         soft_cap, block_sizes=sizes, deterministic=False)
+                         soft_cap, block_sizes=sizes, deterministic_grads=False)
 
   @parameterized.named_parameters(
       ("d128_gqa_causal_lengths_sinks", (2, 200, 300, 4, 2, 128),
@@ -329,7 +329,7 @@ class MosaicLoweringTest(parameterized.TestCase):
                      mosaic_forward.named_ping_pong(spec.mask, spec.head_dim))
 
   def _check_lowering(self, name, shape, dtype, mask_options, soft_cap,
-                      block_sizes=None, deterministic=True):
+                      block_sizes=None, deterministic_grads=True):
     batch, q_len, kv_len, heads, kv_heads, head_dim = shape
     spec = CallSpec(batch=batch, q_len=q_len, kv_len=kv_len,
                     num_heads=heads, num_kv_heads=kv_heads,
@@ -338,7 +338,7 @@ class MosaicLoweringTest(parameterized.TestCase):
                                        **mask_options}),
                     logits_soft_cap=soft_cap,
                     modifiers=ModifierSpec(has_sinks=name.endswith("sinks")),
-                    deterministic=deterministic)
+                    deterministic_grads=deterministic_grads)
     config = mosaic_backend.BACKEND.configure(spec, block_sizes=block_sizes)
     q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), dtype)

@@ -93,8 +93,9 @@ class ValidationTest(parameterized.TestCase):
       self._call(q, k, v, block_sizes={"block_q": 16})
     with self.assertRaisesRegex(ValueError, "is_causal must be a bool"):
       self._call(q, k, v, is_causal="yes")
-    with self.assertRaisesRegex(ValueError, "deterministic must be a bool"):
-      self._call(q, k, v, deterministic="no")
+    with self.assertRaisesRegex(ValueError,
+                                "deterministic_grads must be a bool"):
+      self._call(q, k, v, deterministic_grads="no")
     with self.assertRaisesRegex(ValueError, "implementation='xla'"):
       jflash.flash_attention(q, k, v, implementation="xla", interpret=True)
     with self.assertRaisesRegex(ValueError, "implementation='xla'"):

@@ -58,7 +58,7 @@ def flash_attention(
     k_descale: jax.typing.ArrayLike | None = None,
     v_descale: jax.typing.ArrayLike | None = None,
     out_dtype: jax.typing.DTypeLike | None = None,
-    deterministic: bool = True,
+    deterministic_grads: bool = True,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Exact scaled dot-product attention, a drop-in for jax.nn's.
 
@@ -258,8 +258,9 @@ def flash_attention(
     out_dtype: the output's dtype for FP8 inputs: bfloat16 (default),
       float16 or float32 (a float32 output of the dequantizing path holds
       the bfloat16 result). For other inputs only None or their dtype.
-    deterministic: True (the default): gradients are bitwise the same run
-      after run (no kernel adds floats in a varying order). False lets a
+    deterministic_grads: True (the default): gradients are bitwise the
+      same run after run (no kernel adds floats in a varying order; not
+      Flax's `deterministic`, which turns dropout off). False lets a
       backend take such kernels where they are faster: today the Mosaic
       backward at head dim 64 with 16-bit inputs, its default tiles and
       4096 or more queries and keys adds dQ into float32 with reduce-adds
@@ -294,7 +295,8 @@ def flash_attention(
       sinks=sinks, alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
       block_table=block_table, q_descale=q_descale, k_descale=k_descale,
-      v_descale=v_descale, out_dtype=out_dtype, deterministic=deterministic)
+      v_descale=v_descale, out_dtype=out_dtype,
+      deterministic_grads=deterministic_grads)
   lse_dtype = validation.check_residual_dtype(
       residual_dtype, call.spec.output_dtype, return_residual)
   return run(call, implementation, lse_dtype)
@@ -370,7 +372,7 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
              alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
              broadcast_dropout=False, block_table=None, q_descale=None,
              k_descale=None, v_descale=None, out_dtype=None,
-             deterministic=True) -> DescribedCall:
+             deterministic_grads=True) -> DescribedCall:
   """Validates `flash_attention`'s arguments (same names and meaning) and
   describes the call; raises ValueError for bad input."""
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
@@ -401,7 +403,8 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
                                           broadcast_dropout)
   is_causal = validation.check_bool(is_causal, "is_causal")
   interpret = validation.check_bool(interpret, "interpret")
-  deterministic = validation.check_bool(deterministic, "deterministic")
+  deterministic_grads = validation.check_bool(deterministic_grads,
+                                              "deterministic_grads")
   return_residual = validation.check_bool(return_residual,
                                           "return_residual")
   bottom_right = validation.check_causal_alignment(causal_alignment)
@@ -438,7 +441,7 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None,
       operands, scale=scale, is_causal=is_causal, bottom_right=bottom_right,
       window=window, logits_soft_cap=logits_soft_cap,
       dropout_rate=dropout_rate, return_lse=return_residual,
-      out_dtype=out_dtype, deterministic=deterministic)
+      out_dtype=out_dtype, deterministic_grads=deterministic_grads)
   # Backend options; those set restrict the choice to backends that take
   # them (registry.plan).
   options = BackendOptions(block_sizes=block_sizes, interpret=interpret)

@@ -194,9 +194,10 @@ class CallSpec:
     return_lse: whether the call also returns the natural-log lse.
     out_dtype: the name of the output's dtype, set for FP8 calls only
       (default "bfloat16"); None: the inputs' dtype.
-    deterministic: whether the gradients must be bitwise the same run to
-      run (`flash_attention`'s `deterministic`): False lets a backend pick
-      kernels whose float32 sums vary in order where they are faster.
+    deterministic_grads: whether the gradients must be bitwise the same
+      run to run (`flash_attention`'s `deterministic_grads`): False lets a
+      backend pick kernels whose float32 sums vary in order where they are
+      faster.
   """
 
   batch: int
@@ -213,7 +214,7 @@ class CallSpec:
   modifiers: ModifierSpec = ModifierSpec()
   return_lse: bool = False
   out_dtype: str | None = None
-  deterministic: bool = True
+  deterministic_grads: bool = True
 
   @property
   def group(self) -> int:
@@ -247,7 +248,7 @@ def describe_call(operands: Operands, *, scale: float, is_causal: bool,
                   dropout_rate: float = 0.0,
                   return_lse: bool = False,
                   out_dtype: str | None = None,
-                  deterministic: bool = True) -> CallSpec:
+                  deterministic_grads: bool = True) -> CallSpec:
   """The call's spec; every presence flag is read off `operands` here.
 
   Args:
@@ -292,7 +293,7 @@ def describe_call(operands: Operands, *, scale: float, is_causal: bool,
       has_bias=operands.bias is not None, modifiers=modifiers,
       return_lse=bool(return_lse),
       out_dtype=(out_dtype or FP8_OUT_DTYPE) if fp8 else None,
-      deterministic=bool(deterministic))
+      deterministic_grads=bool(deterministic_grads))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,8 +50,8 @@ class MosaicBlockSizes:
       of S and dP is saved (5 matrix products instead of 7). The order of
       those additions varies between runs: dQ is NOT bitwise
       deterministic with it (the default is), so it needs
-      `flash_attention(..., deterministic=False)`, which also turns it on
-      by itself where it is faster (`nondeterministic_tiles`).
+      `flash_attention(..., deterministic_grads=False)`, which also turns
+      it on by itself where it is faster (`nondeterministic_tiles`).
   """
 
   block_q: int = 64
@@ -330,25 +330,25 @@ def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
   return sizes
 
 
-# `flash_attention(..., deterministic=False)`: the head dims, and the
+# `flash_attention(..., deterministic_grads=False)`: the head dims, and the
 # shortest query and key lengths, at which the call's 16-bit tiles take
 # atomic_dq (the 5-product backward, dQ by float32 reduce-adds), where it
 # was faster than the default backward (H100, 2026-11-26, fwd+bwd,
 # non-causal / causal): D=64 1.09-1.10x / 1.01x at 2x4096, 1.03x / 1.03x
 # at 1x16384, but 0.98x / 0.79x at 8x1024; D=128 0.95-0.99x, 0.81x at
 # 4x2048 causal (RECORD "the atomic dQ at 240 registers on all rows" and
-# "`deterministic=False` at head dim 64, more shapes").
+# "`deterministic_grads=False` at head dim 64, more shapes").
 NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS = (64,)
 NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN = 4096
 
 
 def nondeterministic_tiles(tiles: MosaicBlockSizes, spec: CallSpec
                            ) -> MosaicBlockSizes:
-  """The call's tiles with atomic_dq where `deterministic=False` allows it
-  and it was faster (NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS, query and key
-  lengths from NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN; 16-bit inputs, shared
-  memory permitting); else `tiles` as they are."""
-  if (spec.deterministic or is_fp8(spec)
+  """The call's tiles with atomic_dq where `deterministic_grads=False`
+  allows it and it was faster (NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS, query
+  and key lengths from NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN; 16-bit inputs,
+  shared memory permitting); else `tiles` as they are."""
+  if (spec.deterministic_grads or is_fp8(spec)
       or spec.head_dim not in NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS
       or min(spec.q_len, spec.kv_len) < NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN):
     return tiles
@@ -384,7 +384,7 @@ class MosaicConfig:
     """The call's configuration (the backend's `configure`): the user's
     `block_sizes`, else the tiles `jflash.autotune` cached for this device
     and shape, else `default_tiles`; without a user's tiles, with
-    atomic_dq where `spec.deterministic` is False and it is faster
+    atomic_dq where `spec.deterministic_grads` is False and it is faster
     (`nondeterministic_tiles`).
 
     Raises:
@@ -396,10 +396,11 @@ class MosaicConfig:
       block_sizes = nondeterministic_tiles(
           cache.tuned(spec, "mosaic", MosaicBlockSizes)
           or default_tiles(spec), spec)
-    elif block_sizes.atomic_dq and spec.deterministic:
+    elif block_sizes.atomic_dq and spec.deterministic_grads:
       raise ValueError(
           "block_sizes.atomic_dq=True adds dQ up in an order that varies "
-          "between runs; pass deterministic=False with it (flash_attention's "
-          "gradients are bitwise deterministic by default).")
+          "between runs; pass deterministic_grads=False with it "
+          "(flash_attention's gradients are bitwise deterministic by "
+          "default).")
     check_fits(block_sizes, spec)
     return cls(block_sizes=block_sizes)
