@@ -25,6 +25,13 @@ on its "consumed" barrier.
   registers as the left operands of dV += p^T dO and dK += dS^T Q. The GQA
   group is summed in the fp32 accumulators: each dK/dV element is written
   once, no atomics, deterministic.
+- atomic_dq (`MosaicBlockSizes`; only with `flash_attention(...,
+  deterministic_grads=False)`, head dims <= 128): no dQ kernel. The dK/dV
+  kernel also forms dQ = dS K from both row groups' dS^T, shared through
+  shared memory one step late, in 64 x 64 pieces dealt to the two
+  warpgroups, and adds them into a zeroed float32 buffer with TMA
+  reduce-adds (`add_query_gradient`): 5 products per tile pair instead of
+  7, dQ's additions in a varying order (dK and dV stay bitwise the same).
 
 Warpgroup roles (`config.backward_warpgroup_split`): with head dim <= 128
 the two compute warpgroups own one row tile each (2 * block rows per
