@@ -814,7 +814,7 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       per_warpgroup = atomic_dq_pieces(block_q, head_dim)
       if len(set(map(len, per_warpgroup))) == 1:
         # As many pieces each: piece j's offsets picked by the (traced) row
-        # group, one copy of the code.
+        # group, one copy of the code (two warpgroups: row_group is 0 or 1).
         pieces = []
         for j in range(len(per_warpgroup[0])):
           (r0, c0), (r1, c1) = per_warpgroup[0][j], per_warpgroup[1][j]
@@ -831,7 +831,7 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
 
     def add_pieces(warpgroup, pieces, buffer, q_start, head):
       plgpu.barrier_wait(scratch.ds_ready.at[buffer])
-      for index, (rows, columns) in enumerate(pieces):
+      for piece, (rows, columns) in enumerate(pieces):
 
         def product(acc_ref):
           for group_keys in range(row_groups):
@@ -845,7 +845,7 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
         # This piece's reduce-add of the step before (len(pieces) copies
         # ago) must have read its staging tile.
         plgpu.wait_smem_to_gmem(len(pieces) - 1, wait_read_only=True)
-        dq_tile = scratch.dq_stage.at[warpgroup, index]
+        dq_tile = scratch.dq_stage.at[warpgroup, piece]
         dq_tile[...] = dq
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(

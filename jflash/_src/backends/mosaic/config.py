@@ -334,7 +334,7 @@ def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
 # shortest query and key lengths, at which the call's 16-bit tiles take
 # atomic_dq (the 5-product backward, dQ by float32 reduce-adds), where it
 # was faster than the default backward (H100, 2026-11-26, fwd+bwd,
-# non-causal / causal): D=64 1.09-1.10x / 1.01x at 2x4096, 1.03x / 1.03x
+# non-causal / causal): D=64 1.07-1.10x / 1.01x at 2x4096, 1.03x / 1.03x
 # at 1x16384, but 0.98x / 0.79x at 8x1024; D=128 0.95-0.99x, 0.81x at
 # 4x2048 causal (RECORD "the atomic dQ at 240 registers on all rows" and
 # "`deterministic_grads=False` at head dim 64, more shapes").
