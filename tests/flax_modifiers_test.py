@@ -5,6 +5,8 @@ sinks_test.py; here the XLA path (the same semantics and the same masks)
 keeps the module tests fast.
 """
 
+from unittest import mock
+
 from absl.testing import absltest
 import chex
 from flax import linen as nn
@@ -16,6 +18,7 @@ import numpy as np
 import jflash
 import jflash.linen
 import jflash.nnx
+from jflash._src import flax_adapter
 
 FEATURES = 32
 _STATIC = ("dropout_rate", "broadcast_dropout", "deterministic")
@@ -53,6 +56,34 @@ class AttentionFnTest(absltest.TestCase):
         plain)
     with self.assertRaisesRegex(ValueError, "dropout_rng is required"):
       fn(q, k, v, dropout_rate=0.3, deterministic=False)
+
+  def test_deterministic_grads_reaches_flash_attention(self):
+    # jflash's deterministic_grads, from attention_fn and both modules, to
+    # flash_attention; Flax's deterministic (dropout) does not touch it.
+    seen = []
+    flash = flax_adapter.api.flash_attention
+
+    def spy(*args, **kwargs):
+      seen.append(kwargs["deterministic_grads"])
+      return flash(*args, **kwargs)
+
+    x = _inputs(9)
+    q = x.reshape(2, 16, 4, 8)
+    module_options = dict(num_heads=4, implementation="xla")
+    with mock.patch.object(flax_adapter.api, "flash_attention", spy):
+      jflash.nnx.attention_fn(implementation="xla")(q, q, q,
+                                                    deterministic=False)
+      jflash.nnx.attention_fn(implementation="xla",
+                              deterministic_grads=False)(q, q, q)
+      nnx_module = jflash.nnx.FlashMultiHeadAttention(
+          in_features=FEATURES, decode=False, deterministic_grads=False,
+          rngs=nnx.Rngs(0), **module_options)
+      nnx_module(x)
+      linen_module = jflash.linen.FlashMultiHeadDotProductAttention(
+          deterministic_grads=False, **module_options)
+      linen_module.apply(linen_module.init(jax.random.key(0), x), x)
+    # The linen module runs twice (init and apply).
+    self.assertEqual(seen, [True, False, False, False, False])
 
   def test_broadcast_dropout_shares_the_mask(self):
     # Identical batch elements and heads stay identical only when the mask

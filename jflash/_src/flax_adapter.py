@@ -154,7 +154,7 @@ def flax_attention(
     implementation=None, block_sizes=None, interpret=False,
     logits_soft_cap=None, local_window_size=None, causal_alignment="top_left",
     q_segment_ids=None, kv_segment_ids=None, sinks=None, fp8=False,
-    hadamard=False,
+    hadamard=False, deterministic_grads=True,
 ):
   """jflash attention for Flax layouts: [batch..., seq, heads, head_dim].
 
@@ -171,6 +171,8 @@ def flax_attention(
   (inference only) quantizes q, k and v with `jflash.quantize_qkv` (with
   `hadamard`) and runs FP8 attention, the output in q's dtype (bfloat16
   for FP8 or other dtypes FP8 attention does not output).
+  `deterministic_grads` is `jflash.flash_attention`'s (Flax's
+  `deterministic` only turns dropout off).
   """
   if hadamard and not fp8:
     raise ValueError("hadamard=True applies only with fp8=True.")
@@ -235,8 +237,8 @@ def flax_attention(
       is_causal=is_causal, implementation=implementation,
       block_sizes=block_sizes, interpret=interpret,
       logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
-      causal_alignment=causal_alignment, sinks=sinks, **dropout,
-      **per_batch)
+      causal_alignment=causal_alignment, sinks=sinks,
+      deterministic_grads=deterministic_grads, **dropout, **per_batch)
   return out.reshape(query.shape)
 
 
@@ -248,8 +250,8 @@ def module_attention(module, query, key, value, *, mask, masking,
   Args:
     module: a jflash Flax module; its `dropout_rate`, `broadcast_dropout`,
       `dtype`, `implementation`, `block_sizes`, `interpret`,
-      `logits_soft_cap`, `local_window_size`, `fp8` and `hadamard` are
-      passed on.
+      `logits_soft_cap`, `local_window_size`, `fp8`, `hadamard` and
+      `deterministic_grads` are passed on.
     query, key, value: [batch..., seq, heads, head_dim], projected.
     mask: the call's dense mask, or None.
     masking: `is_causal` (and `causal_alignment` in decode steps).
@@ -272,7 +274,8 @@ def module_attention(module, query, key, value, *, mask, masking,
       implementation=module.implementation, block_sizes=module.block_sizes,
       interpret=module.interpret, logits_soft_cap=module.logits_soft_cap,
       local_window_size=module.local_window_size, fp8=module.fp8,
-      hadamard=module.hadamard)
+      hadamard=module.hadamard,
+      deterministic_grads=module.deterministic_grads)
 
 
 def make_attention_fn(
@@ -284,6 +287,7 @@ def make_attention_fn(
     local_window_size: int | tuple[int, int] | None = None,
     fp8: bool = False,
     hadamard: bool = False,
+    deterministic_grads: bool = True,
 ) -> Callable[..., jax.Array]:
   """Returns an `attention_fn` for Flax's attention modules.
 
@@ -307,6 +311,9 @@ def make_attention_fn(
       NotImplementedError: leave it off for training.
     hadamard: with fp8, rotate q and k by a Hadamard transform before
       quantizing (`jflash.hadamard`; head dim a power of two).
+    deterministic_grads: as in `jflash.flash_attention` (False allows
+      faster kernels whose gradients vary in their last bits between runs;
+      not Flax's `deterministic`, which turns dropout off).
 
   Returns:
     A function with Flax's `dot_product_attention` signature. `precision` is
@@ -352,6 +359,7 @@ def make_attention_fn(
         module=module, dtype=dtype, implementation=implementation,
         block_sizes=block_sizes,
         interpret=interpret, logits_soft_cap=logits_soft_cap,
-        local_window_size=local_window_size, fp8=fp8, hadamard=hadamard)
+        local_window_size=local_window_size, fp8=fp8, hadamard=hadamard,
+        deterministic_grads=deterministic_grads)
 
   return attention_fn

@@ -30,6 +30,9 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   element and kv head and runs FP8 attention (`jflash.flash_attention`'s
   FP8 section), with `hadamard=True` rotating q and k first
   (`jflash.quantize_qkv`); parameters and the cache keep their dtypes.
+  `deterministic_grads=False` is `jflash.flash_attention`'s (faster kernels
+  whose gradients vary in their last bits; not `deterministic`, which turns
+  dropout off).
 
   Differences from the stock module:
   - `__call__` also takes `is_causal`, `query_seq_lengths` /
@@ -52,6 +55,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   use_sinks: bool = False
   fp8: bool = False
   hadamard: bool = False
+  deterministic_grads: bool = True
 
   @nn.compact
   def __call__(

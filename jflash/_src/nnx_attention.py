@@ -30,7 +30,9 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
   runs FP8 attention (`jflash.flash_attention`'s FP8 section), with
   `hadamard=True` rotating q and k first (`jflash.quantize_qkv`); the
   parameters and the decode cache keep their dtypes (a decode step
-  quantizes the cache it reads).
+  quantizes the cache it reads). `deterministic_grads=False` is
+  `jflash.flash_attention`'s (faster kernels whose gradients vary in their
+  last bits; not `deterministic`, which turns dropout off).
 
   Attention dropout works as in the stock module (`dropout_rate`,
   `broadcast_dropout`, `deterministic`, the `dropout` rng stream), with
@@ -67,6 +69,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       use_sinks: bool = False,
       fp8: bool = False,
       hadamard: bool = False,
+      deterministic_grads: bool = True,
       **kwargs: Any,
   ):
     if "attention_fn" in kwargs:
@@ -82,7 +85,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
             implementation=implementation, block_sizes=block_sizes,
             interpret=interpret, logits_soft_cap=logits_soft_cap,
             local_window_size=local_window_size, fp8=fp8,
-            hadamard=hadamard),
+            hadamard=hadamard, deterministic_grads=deterministic_grads),
         **kwargs)
     self.implementation = implementation
     self.block_sizes = block_sizes
@@ -91,6 +94,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     self.local_window_size = local_window_size
     self.fp8 = fp8
     self.hadamard = hadamard
+    self.deterministic_grads = deterministic_grads
     self.sinks = (nnx.Param(jnp.zeros((num_heads,), self.param_dtype))
                   if use_sinks else None)
 
