@@ -237,23 +237,25 @@ class TrainingLaunchTest(parameterized.TestCase):
 
   def test_mosaic_atomic_dq_only_without_determinism(self):
     # deterministic_grads=False gives 16-bit head-dim-64 calls over >= 4096
-    # queries and keys atomic_dq on their default tiles
-    # (config.nondeterministic_tiles), which fit; shorter ones, head dim
-    # 128 (slower with it), FP8 and deterministic calls keep two backward
-    # kernels; tiles asking for atomic_dq in a deterministic call are a
-    # ValueError before any kernel runs.
-    def spec_of(head_dim, deterministic, length=4096):
+    # queries and keys without GQA atomic_dq on their default tiles
+    # (config.nondeterministic_tiles), which fit; shorter ones, GQA, head
+    # dim 128 (slower with it), FP8 and deterministic calls keep two
+    # backward kernels; tiles asking for atomic_dq in a deterministic call
+    # are a ValueError before any kernel runs.
+    def spec_of(head_dim, deterministic, length=4096, kv_heads=2):
       q = jnp.zeros((1, length, 2, head_dim), jnp.bfloat16)
-      return api.describe(q, q, q, deterministic_grads=deterministic).spec
+      kv = jnp.zeros((1, length, kv_heads, head_dim), jnp.bfloat16)
+      return api.describe(q, kv, kv, deterministic_grads=deterministic).spec
 
-    for head_dim, deterministic, length, expected in (
-        (64, False, 4096, True), (64, False, 4088, False),
-        (64, True, 4096, False), (128, False, 4096, False),
-        (256, False, 4096, False)):
-      spec = spec_of(head_dim, deterministic, length)
+    for head_dim, deterministic, length, kv_heads, expected in (
+        (64, False, 4096, 2, True), (64, False, 4088, 2, False),
+        (64, False, 4096, 1, False), (64, True, 4096, 2, False),
+        (128, False, 4096, 2, False), (256, False, 4096, 2, False)):
+      spec = spec_of(head_dim, deterministic, length, kv_heads)
       tiles = mosaic_config.MosaicConfig.for_call(spec).block_sizes
       self.assertEqual(tiles.atomic_dq, expected,
-                       msg=f"{head_dim=} {deterministic=} {length=}")
+                       msg=f"{head_dim=} {deterministic=} {length=} "
+                       f"{kv_heads=}")
       self.assertLessEqual(tiles.backward_smem_bytes(head_dim, 2),
                            mosaic_config.SMEM_BUDGET_BYTES)
     fp8 = dataclasses.replace(spec_of(64, False), dtype="float8_e4m3fn")

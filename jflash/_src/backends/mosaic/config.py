@@ -334,10 +334,11 @@ def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
 # shortest query and key lengths, at which the call's 16-bit tiles take
 # atomic_dq (the 5-product backward, dQ by float32 reduce-adds), where it
 # was faster than the default backward (H100, 2026-11-26, fwd+bwd,
-# non-causal / causal): D=64 1.07-1.10x / 1.01x at 2x4096, 1.03x / 1.03x
-# at 1x16384, but 0.98x / 0.79x at 8x1024; D=128 0.95-0.99x, 0.81x at
-# 4x2048 causal (RECORD "the atomic dQ at 240 registers on all rows" and
-# "`deterministic_grads=False` at head dim 64, more shapes").
+# non-causal / causal), without GQA: D=64 1.07-1.10x / 1.01x at 2x4096,
+# 1.08x at 4x4096, 1.03x / 1.03x at 1x16384, but 0.98x / 0.79x at 8x1024
+# and 0.98x / 0.98x at 2x8192 with 4 query heads per kv head; D=128
+# 0.95-0.99x, 0.81x at 4x2048 causal (RECORD "the atomic dQ at 240
+# registers on all rows" and the `deterministic_grads=False` entries).
 NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS = (64,)
 NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN = 4096
 
@@ -346,9 +347,10 @@ def nondeterministic_tiles(tiles: MosaicBlockSizes, spec: CallSpec
                            ) -> MosaicBlockSizes:
   """The call's tiles with atomic_dq where `deterministic_grads=False`
   allows it and it was faster (NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS, query
-  and key lengths from NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN; 16-bit inputs,
-  shared memory permitting); else `tiles` as they are."""
-  if (spec.deterministic_grads or is_fp8(spec)
+  and key lengths from NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN, one query head
+  per kv head; 16-bit inputs, shared memory permitting); else `tiles` as
+  they are."""
+  if (spec.deterministic_grads or is_fp8(spec) or spec.group != 1
       or spec.head_dim not in NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS
       or min(spec.q_len, spec.kv_len) < NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN):
     return tiles
