@@ -5,11 +5,13 @@ forward+backward (`jax.grad` of `sum(out * cotangent)` with respect to q, k and
 v), each under `jax.jit`:
 
   triton: `jflash.flash_attention(..., implementation="triton")`
-  mosaic: `jflash.flash_attention(..., implementation="mosaic")` (Hopper;
-          its passes only: fwd+bwd reports an error while it has no
-          backward)
+  mosaic: `jflash.flash_attention(..., implementation="mosaic")` (Hopper)
+  mosaic_atomic: as mosaic, with the atomic dQ backward forced
+          (`MosaicBlockSizes(atomic_dq=True)`, `deterministic_grads=False`)
   jflash: `jflash.flash_attention(...)`, the default choice per pass
-          (on Hopper: Mosaic forward, Triton backward for now)
+          (on Hopper: the Mosaic kernels)
+  jflash_nondet: as jflash with `deterministic_grads=False` (the atomic dQ
+          where jflash's rule takes it)
   cudnn:  `jax.nn.dot_product_attention(..., implementation="cudnn")`
   xla:    `jax.nn.dot_product_attention(..., implementation="xla")`; it
           materializes the [N, N] scores, so it is skipped above
@@ -83,9 +85,11 @@ import jax.numpy as jnp
 import tqdm
 
 # mosaic_atomic: the Mosaic kernels with the opt-in atomic dQ backward
-# (MosaicBlockSizes.atomic_dq), default tiles otherwise.
-IMPLS = ("triton", "mosaic", "mosaic_atomic", "jflash", "cudnn", "xla",
-         "mha")
+# (MosaicBlockSizes.atomic_dq), default tiles otherwise. jflash_nondet: the
+# default choice with deterministic_grads=False (atomic dQ only where
+# config.nondeterministic_tiles takes it).
+IMPLS = ("triton", "mosaic", "mosaic_atomic", "jflash", "jflash_nondet",
+         "cudnn", "xla", "mha")
 PASSES = ("fwd", "fwd+bwd")
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -237,7 +241,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def attention_fn(impl: str, is_causal: bool) -> Callable[..., jax.Array]:
   """Returns `f(q, k, v) -> out` for one implementation."""
-  if impl in ("triton", "mosaic", "mosaic_atomic", "jflash"):
+  if impl in ("triton", "mosaic", "mosaic_atomic", "jflash",
+              "jflash_nondet"):
     # Imported only when asked for, so the script runs (e.g. `--impls xla`)
     # while jflash itself is broken or absent.
     import jflash  # pylint: disable=g-import-not-at-top
@@ -247,8 +252,8 @@ def attention_fn(impl: str, is_causal: bool) -> Callable[..., jax.Array]:
     if impl == "triton" and jax.default_backend() != "gpu":
       options["interpret"] = True
     # "jflash": the default choice (implementation=None), per pass.
-    implementation = {"jflash": None, "mosaic_atomic": "mosaic"}.get(impl,
-                                                                     impl)
+    implementation = {"jflash": None, "jflash_nondet": None,
+                      "mosaic_atomic": "mosaic"}.get(impl, impl)
 
     def f(q, k, v):
       more = dict(options)
@@ -257,6 +262,8 @@ def attention_fn(impl: str, is_causal: bool) -> Callable[..., jax.Array]:
         from jflash._src.backends.mosaic import config as mosaic_config
         more["block_sizes"] = dataclasses.replace(
             mosaic_config.default_block_sizes(q.shape[-1]), atomic_dq=True)
+        more["deterministic_grads"] = False
+      if impl == "jflash_nondet":
         more["deterministic_grads"] = False
       return jflash.flash_attention(
           q, k, v, is_causal=is_causal, implementation=implementation,
