@@ -20,8 +20,10 @@ import jax.numpy as jnp
 
 import jflash
 from jflash._src import api
+from jflash._src.backends.mosaic import backward as mosaic_backward
 from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.mosaic import delta as mosaic_delta
+from jflash._src.backends.mosaic import forward as mosaic_forward
 from jflash._src.backends.triton import block_sizes
 from jflash._src.backends.triton import decode as triton_decode
 from jflash._src.backends.triton import decode_backend
@@ -268,6 +270,21 @@ class TrainingLaunchTest(parameterized.TestCase):
                                           block_sizes=atomic)
     self.assertTrue(mosaic_config.MosaicConfig.for_call(
         spec_of(128, False), block_sizes=atomic).block_sizes.atomic_dq)
+
+  def test_mosaic_register_splits_fit(self):
+    # Every Mosaic kernel runs two compute warpgroups and one producer
+    # (128 threads each) with setmaxnreg: each count a multiple of 8 in
+    # [24, 256], and together within Hopper's 65536 registers per SM (one
+    # block per SM). The default split and the atomic dQ kernel's.
+    for compute, producer in (
+        (mosaic_forward.COMPUTE_REGISTERS, mosaic_forward.PRODUCER_REGISTERS),
+        mosaic_backward.ATOMIC_DQ_REGISTERS):
+      for count in (compute, producer):
+        self.assertEqual(count % 8, 0)
+        self.assertBetween(count, 24, 256)
+      self.assertLessEqual(
+          128 * (mosaic_forward.COMPUTE_WARPGROUPS * compute + producer),
+          65536)
 
   def test_mosaic_d256_backward_counts_the_hand_over(self):
     # The product split at head dim 256 (config.backward_splits_products)

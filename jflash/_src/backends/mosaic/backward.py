@@ -109,15 +109,6 @@ PRODUCER = COMPUTE_WARPGROUPS
 ATOMIC_DQ_REGISTERS = (240, 24)
 
 
-def dq_pieces(block_q: int, head_dim: int):
-  """atomic_dq: per compute warpgroup, the (rows, columns) slices of the
-  [block_q, H] dQ tile it multiplies and reduce-adds
-  (`config.atomic_dq_pieces`: pieces of DQ_PIECE x DQ_PIECE)."""
-  return tuple(
-      tuple((pl.ds(row, DQ_PIECE), pl.ds(column, DQ_PIECE))
-            for row, column in pieces)
-      for pieces in atomic_dq_pieces(block_q, head_dim))
-
 
 def _columns(ref, chunk: int, width: int, chunks: int):
   """The head-dim columns [chunk * width, (chunk + 1) * width) of a
@@ -563,8 +554,8 @@ class DkvScratch:
       parity, each row group's dS^T, transposed the left operands of the dQ
       products of both warpgroups; else None.
     dq_stage: with atomic_dq, float32 [COMPUTE_WARPGROUPS, pieces,
-      DQ_PIECE, DQ_PIECE]: each warpgroup's dQ pieces (`dq_pieces`) for
-      their reduce-adds; else None.
+      DQ_PIECE, DQ_PIECE]: each warpgroup's dQ pieces
+      (`config.atomic_dq_pieces`) for their reduce-adds; else None.
     kv_ready: per row group: its K and V (and ids) loaded.
     q_ready: per slot: its Q and lse (and ids) loaded.
     do_ready: per slot: its dO and delta loaded.
@@ -812,21 +803,21 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
           block.tiles_lo + lax.rem(index, block.tiles_per_head), block_q)
       head = kv_head * group + head_step
       per_warpgroup = atomic_dq_pieces(block_q, head_dim)
+      slices = lambda pieces: [(pl.ds(row, DQ_PIECE), pl.ds(column, DQ_PIECE))
+                               for row, column in pieces]
       if len(set(map(len, per_warpgroup))) == 1:
         # As many pieces each: piece j's offsets picked by the (traced) row
         # group, one copy of the code (two warpgroups: row_group is 0 or 1).
-        pieces = []
-        for j in range(len(per_warpgroup[0])):
-          (r0, c0), (r1, c1) = per_warpgroup[0][j], per_warpgroup[1][j]
-          pick = lambda a, b: a if a == b else a + row_group * (b - a)
-          pieces.append((pl.ds(pick(r0, r1), DQ_PIECE),
-                         pl.ds(pick(c0, c1), DQ_PIECE)))
-        add_pieces(row_group, pieces, buffer, q_start, head)
+        pick = lambda a, b: a if a == b else a + row_group * (b - a)
+        pieces = [(pick(r0, r1), pick(c0, c1))
+                  for (r0, c0), (r1, c1) in zip(*per_warpgroup)]
+        add_pieces(row_group, slices(pieces), buffer, q_start, head)
       else:
-        for warpgroup, pieces in enumerate(dq_pieces(block_q, head_dim)):
+        for warpgroup, pieces in enumerate(per_warpgroup):
           if pieces:
             pl.when(row_group == warpgroup)(functools.partial(
-                add_pieces, warpgroup, pieces, buffer, q_start, head))
+                add_pieces, warpgroup, slices(pieces), buffer, q_start,
+                head))
       plgpu.barrier_arrive(scratch.ds_free.at[buffer])
 
     def add_pieces(warpgroup, pieces, buffer, q_start, head):
@@ -866,18 +857,15 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       pl.when(block.num_steps > 0)(
           lambda: add_query_gradient(block.num_steps - 1))
 
-    if chunks > 1:
-      # The other chunk's warpgroup may still read K and V, which `stage`
-      # aliases: wait for it.
+    if chunks > 1 or refs.dq_sum is not None:
+      # The other warpgroup may still read what the gradients are written
+      # over (column chunks: K and V, which `stage` aliases; atomic_dq: its
+      # dQ pieces read this row group's K): wait for it.
       plgpu.barrier_arrive(scratch.done)
       plgpu.barrier_wait(scratch.done)
+    if chunks > 1:
       dk_tile, dv_tile = stage[0].at[chunk], stage[1].at[chunk]
     else:
-      if refs.dq_sum is not None:
-        # The other warpgroup's dQ pieces may still read this row group's
-        # K, which dK is written over: wait for it.
-        plgpu.barrier_arrive(scratch.done)
-        plgpu.barrier_wait(scratch.done)
       dk_tile, dv_tile = k_tile, v_tile
     rows = (batch, pl.ds(k_start, block_kv), kv_head,
             pl.ds(chunk * width, width))
@@ -1124,7 +1112,7 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
   if atomic_dq:
     assert row_groups == COMPUTE_WARPGROUPS and chunks == 1, (row_groups,
                                                               chunks)
-    max_pieces = max(map(len, dq_pieces(block_q, head_dim)))
+    max_pieces = max(map(len, atomic_dq_pieces(block_q, head_dim)))
   dkv_scratch = DkvScratch(
       rows=_rows_scratch(tiles, dtype, block_kv, head_dim, row_groups,
                          rows_chunks),
