@@ -12,7 +12,8 @@ split-K kernel), "mosaic" (Hopper) and "triton" (the training kernels),
 (`jax.nn.dot_product_attention`, not causal, with the kv lengths: the
 same bytes read at T=1). Timing is
 interleaved: every implementation is compiled first, then timed in rounds
-(each round all of them, in a rotating order), and each gets the median of
+(each round all of them, each call right after each other one equally
+often over the rounds: `run.round_orders`), and each gets the median of
 its round medians, so drifts of the GPU's clock hit all alike.
 
 Writes DIR/decode_route_<grid>.json (one record per case: µs per
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from benchmarks import run
 from jflash._src import platform
 
 # (B, S, query heads, kv heads, head dim, T).
@@ -112,7 +114,9 @@ def time_interleaved(impls, args, rounds: int, iters: int):
 def time_calls(calls, rounds: int, iters: int):
   """{name: median over rounds of the per-call seconds} of calls {name:
   (fn, args)}, each round timing `iters` back-to-back calls of every one in
-  a rotating order (a slow spell of the GPU falls on all of them alike);
+  an order that puts each right after each other one equally often
+  (`run.round_orders`: a slow spell of the GPU, or the clock a call
+  leaves, falls on all of them alike);
   names whose first calls fail map to the error's text."""
   results, ready = {}, {}
   for name, (fn, args) in calls.items():
@@ -123,9 +127,8 @@ def time_calls(calls, rounds: int, iters: int):
     except Exception as e:  # pylint: disable=broad-except
       results[name] = f"{type(e).__name__}: {str(e)[:100]}"
   samples = {name: [] for name in ready}
-  names = list(ready)
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
+  for order in run.round_orders(list(ready), rounds):
+    for name in order:
       fn, args = ready[name]
       start = time.perf_counter()
       for _ in range(iters):

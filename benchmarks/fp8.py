@@ -24,7 +24,8 @@ sweep: as time, the default tiles with and without the softmax's
 prefetch_ab: as time, the default FP8 tiles with the persistent kernel's Q
   prefetch on and off (forward.FP8_Q_PREFETCH_HEAD_DIMS patched to hold
   the head dim or not), and cuDNN bf16, in R
-  alternating rounds (medians of the rounds' times): the one switch's
+  interleaved rounds (medians of the rounds' times; each call right after
+  each other one equally often, `run.round_orders`): the one switch's
   effect, clear of the run-to-run spread of separate runs.
 k_wait_ab: as prefetch_ab, each step's wait for the next K tile after its
   P V product and under it (forward.K_WAIT_UNDER_PV False / True), and
@@ -51,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from benchmarks import run
 from jflash._src.backends import xla
 from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.mosaic import forward
@@ -300,8 +302,10 @@ def switch_ab(args, variants, restore, seed: int) -> list:
   """The default FP8 tiles under each variant (`variants`: name -> a
   function of the head dim and causality that sets forward.py's module
   switches, read when the call is traced; `restore` resets them), and
-  cuDNN bf16, in args.rounds alternating rounds at FlashAttention-3's
-  setting; medians of the rounds' times, as TFLOP/s. The rows, printed."""
+  cuDNN bf16, in args.rounds interleaved rounds at FlashAttention-3's
+  setting, each call after each other one equally often
+  (`run.round_orders`); medians of the rounds' times, as TFLOP/s. The
+  rows, printed."""
   rows = []
   for d, causal, flops, tiles, make in default_tile_cases(
       ((64, False), (128, False), (256, False), (128, True)), seed=seed):
@@ -323,8 +327,9 @@ def switch_ab(args, variants, restore, seed: int) -> list:
         jax.nn.dot_product_attention, implementation="cudnn",
         is_causal=causal)), make_bf16)
     times = {name: [] for name in fns}
-    for r in range(args.rounds):
-      for name, (fn, make_args) in fns.items():
+    for r, order in enumerate(run.round_orders(list(fns), args.rounds)):
+      for name in order:
+        fn, make_args = fns[name]
         times[name].append(bench(fn, lambda i, r=r, m=make_args: m(
             10 * r + i), rounds=1))
     row = dict(d=d, causal=causal, block_kv=tiles.block_kv,
@@ -455,8 +460,10 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true",
                       help="time: D=128 non-causal only; accuracy: 256 "
                       "tokens")
-  parser.add_argument("--rounds", type=int, default=9,
-                      help="prefetch_ab, k_wait_ab: alternating rounds")
+  parser.add_argument("--rounds", type=int, default=12,
+                      help="prefetch_ab, k_wait_ab: interleaved rounds (a "
+                           "multiple of 6 balances the order of the three "
+                           "calls)")
   args = parser.parse_args(argv)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
   return {"check": check, "time": time_all, "accuracy": accuracy,

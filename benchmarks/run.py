@@ -322,6 +322,39 @@ def time_step(step: Callable[..., Any], inputs: tuple[jax.Array, ...],
   return first, statistics.median(per_call)
 
 
+def balanced_orders(count: int) -> list[list[int]]:
+  """Orders of `count` calls for interleaved timing rounds in which every
+  call is timed right after every other one equally often (a Williams
+  design: `count` rounds for an even count, 2 * count for an odd one).
+
+  On a power-capped GPU a call starts at the clock its predecessor left: in
+  an A/A test two identical FP8 kernels came out 1.5-3.6% apart, the one
+  timed after cuDNN's kernel slowest, in a fixed order and in a rotated one
+  alike (a rotation keeps every call's predecessor; RECORD 2026-11-26, "an
+  A/A test of the interleaved-rounds harness").
+  """
+  first, low, high = [0], 1, count - 1
+  while len(first) < count:
+    if len(first) % 2:
+      first.append(low)
+      low += 1
+    else:
+      first.append(high)
+      high -= 1
+  orders = [[(i + shift) % count for i in first] for shift in range(count)]
+  if count % 2:
+    orders += [order[::-1] for order in orders]
+  return orders
+
+
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+  """The order of `names` in each of `rounds` interleaved timing rounds
+  (`balanced_orders`, cycled): use a multiple of `len(balanced_orders(
+  len(names)))` rounds for a balanced run."""
+  orders = balanced_orders(len(names))
+  return [[names[i] for i in orders[r % len(orders)]] for r in range(rounds)]
+
+
 def step_memory_bytes(step: Callable[..., Any],
                       inputs: tuple[jax.Array, ...]) -> int | None:
   """Device memory one call of the jitted `step` needs, from XLA, if known.

@@ -14,7 +14,8 @@ forward tiling under the variants of AB_VARIANTS (forward.py's module
 switches: the consumers' ping-pong on an mbarrier rendezvous or named
 barriers; the persistent kernel's Q prefetch off or on; each step's wait
 for the next K tile after or under its P V; the 16-bit softmax's
-optimization barrier off or on), timed in alternating rounds, cuDNN in
+optimization barrier off or on), timed in interleaved rounds (each call
+right after each other one equally often: `run.round_orders`), cuDNN in
 each round too; medians over the rounds.
 """
 
@@ -98,7 +99,7 @@ AB_VARIANTS = {
 
 def variants_ab(shape, causal, sizes, persistent, rounds, variants):
   """The forward under each variant (forward.py module switches, see
-  AB_VARIANTS) and cuDNN in alternating rounds: median TFLOP/s per
+  AB_VARIANTS) and cuDNN in interleaved rounds (`bench.round_orders`): median TFLOP/s per
   variant, each / the first variant, and each / cuDNN."""
   q, k, v, _ = bench.random_inputs(jax.random.key(0), shape, jnp.bfloat16)
   flop = bench.flops(shape, causal, "fwd")
@@ -117,9 +118,10 @@ def variants_ab(shape, causal, sizes, persistent, rounds, variants):
     for key, value in saved.items():
       setattr(forward, key, value)
   times = {name: [] for name in steps}
-  for _ in range(rounds):
-    for name, step in steps.items():
-      times[name].append(bench.time_step(step, (q, k, v, None), 2, 5, 10)[1])
+  for order in bench.round_orders(list(steps), rounds):
+    for name in order:
+      times[name].append(
+          bench.time_step(steps[name], (q, k, v, None), 2, 5, 10)[1])
   tflops = {name: flop / statistics.median(t) / 1e12
             for name, t in times.items()}
   first = next(iter(variants))
@@ -153,9 +155,10 @@ def main():
                            "(auto), or forced on/off")
   parser.add_argument("--ab", choices=sorted(AB_VARIANTS), default=None,
                       help="forward: the variants of AB_VARIANTS[AB] in "
-                           "alternating rounds, cuDNN beside")
-  parser.add_argument("--rounds", type=int, default=5,
-                      help="with --ab: alternating rounds")
+                           "interleaved rounds, cuDNN beside")
+  parser.add_argument("--rounds", type=int, default=6,
+                      help="with --ab: interleaved rounds (a multiple of "
+                           "len(run.balanced_orders(calls)) balances them)")
   args = parser.parse_args()
   persistent = {"auto": None, "on": True, "off": False}[args.persistent]
   if args.backward:

@@ -5,6 +5,7 @@ interpreter off the GPU) on tiny shapes and checks the JSON, run.py's plot and
 FLOP count, and train_step.py's losses and ratios.
 """
 
+import collections
 import contextlib
 import importlib.util
 import io
@@ -96,6 +97,26 @@ class BenchmarkTest(absltest.TestCase):
       with self.subTest(bad=bad), self.assertRaises(
           run.argparse.ArgumentTypeError):
         run.parse_shape(bad)
+
+  def test_round_orders_put_each_call_after_each_other_equally_often(self):
+    # The interleaved harnesses' orders (A/B timings on a power-capped GPU,
+    # where a call starts at the clock its predecessor left).
+    for count in range(1, 7):
+      orders = run.balanced_orders(count)
+      self.assertLen(orders, count if count % 2 == 0 else 2 * count)
+      follows = collections.Counter()
+      for order in orders:
+        self.assertCountEqual(order, range(count))
+        follows.update(zip(order, order[1:]))
+      pairs = [(a, b) for a in range(count) for b in range(count) if a != b]
+      self.assertCountEqual(follows, pairs, msg=f"count={count}")
+      self.assertLen(set(follows.values()), min(1, len(pairs)),
+                     msg=f"count={count}: {follows}")
+    names = ["after", "under", "cudnn"]
+    rounds = run.round_orders(names, 8)
+    self.assertLen(rounds, 8)
+    self.assertEqual(rounds[6], rounds[0])  # A cycle of 6 for three calls.
+    self.assertCountEqual(rounds[1], names)
 
 
 class TrainStepTest(absltest.TestCase):
