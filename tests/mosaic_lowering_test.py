@@ -232,18 +232,18 @@ class MosaicLoweringTest(parameterized.TestCase):
     # Another kernel (output tiles, the load in the epilogue).
     self.assertNotEqual(jaxprs[False], jaxprs[True])
 
-  def test_fp8_q_prefetch_only_at_its_head_dims(self):
-    # The FP8 forward prefetches Q only at forward.FP8_Q_PREFETCH_HEAD_DIMS
-    # (measured faster there, slower at 128 and 256); 16-bit calls wherever
-    # their output tiles fit.
+  def test_fp8_q_prefetch_at_its_head_dims(self):
+    # The FP8 forward prefetches Q at forward.FP8_Q_PREFETCH_HEAD_DIMS
+    # (measured faster at each); 16-bit calls wherever their output tiles
+    # fit; neither with Q_PREFETCH off.
     self.assertTrue(mosaic_forward.q_prefetch(False, 128))
-    self.assertTrue(mosaic_forward.q_prefetch(True, 64))
-    self.assertFalse(mosaic_forward.q_prefetch(True, 128))
-    self.assertFalse(mosaic_forward.q_prefetch(True, 256))
+    for head_dim in (64, 128, 256):
+      self.assertTrue(mosaic_forward.q_prefetch(True, head_dim))
     with mock.patch.object(mosaic_forward, "Q_PREFETCH", False):
       self.assertFalse(mosaic_forward.q_prefetch(True, 64))
+      self.assertFalse(mosaic_forward.q_prefetch(False, 128))
     # And the kernel follows it: a persistent FP8 call at head dim 128
-    # lowers to another kernel when 128 joins the table.
+    # lowers to another kernel when 128 leaves the table.
     fp8 = "float8_e4m3fn"
     spec = CallSpec(batch=2, q_len=256, kv_len=256, num_heads=4,
                     num_kv_heads=2, head_dim=128, dtype=fp8,
@@ -260,6 +260,7 @@ class MosaicLoweringTest(parameterized.TestCase):
         self.assertIn("mosaic_gpu", _lower(run, operands)[0])
         jaxprs.append(_kernel_jaxpr(run, operands))
     self.assertNotEqual(jaxprs[0], jaxprs[1])
+    self.assertEqual(jaxprs[1], _kernel_jaxpr(run, operands))  # The default.
 
   def test_fp8_causal_head_dim_256_runs_one_block_per_tile(self):
     # forward.runs_persistent: FP8 causal calls at head dim 256 launch one
@@ -294,7 +295,7 @@ class MosaicLoweringTest(parameterized.TestCase):
     # call, SOFTMAX_BARRIER_16BIT (off) is an A/B switch; the kernel
     # follows both. (Compared as jaxprs: the lowered module's bytes differ
     # between two lowerings of the same kernel.)
-    self.assertTrue(mosaic_forward.waits_for_k_under_pv(True, 128, False))
+    self.assertFalse(mosaic_forward.waits_for_k_under_pv(True, 128, False))
     self.assertTrue(mosaic_forward.waits_for_k_under_pv(False, 64, False))
     self.assertFalse(mosaic_forward.waits_for_k_under_pv(False, 64, True))
     self.assertFalse(mosaic_forward.waits_for_k_under_pv(False, 128, False))

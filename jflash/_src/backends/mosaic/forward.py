@@ -121,14 +121,15 @@ FP8_SOFTMAX_BARRIER = True
 # (as tokamax's and JAX's Mosaic attention do) instead of after it, at the
 # start of the next step: "auto" (`waits_for_k_under_pv`), True or False (a
 # module switch for A/B runs: benchmarks/sweep_mosaic.py --ab k_wait,
-# benchmarks/fp8.py k_wait_ab). H100, three runs of interleaved rounds
-# each (RECORD 2026-11-26, "two orderings from tokamax's Mosaic forward"
-# and the check after it): FP8 D=128 +5.3-5.7%, 16-bit D=64 +2.8-3.6%
-# without a causal mask; 16-bit D=128 -4 to -5%, D=256 -2%, D=64 causal
-# -2.2..-2.5%, FP8 D=64 -1%, FP8 D=256 -1.2..+1.8%, FP8 D=128 causal
-# -0.5..+0.7%. The (8-bit operands, head dim, causal) it is on for:
+# benchmarks/fp8.py k_wait_ab). H100, interleaved rounds in the balanced
+# order (RECORD 2026-11-26, "the balanced order checked" and "FP8 defaults
+# from fixed-order A/Bs, re-timed"): 16-bit D=64 +3.6% at 2x4096 (+2.5-3.6%
+# in every order), level at 1x16384, -3% causal; FP8 D=128 -0.6% and -1.8%
+# (its +5.3-5.7% in fixed-order runs was the order's doing), FP8 D=64
+# -1.7%, D=256 -0.5%, D=128 causal -5%; 16-bit D=128 -4 to -5% and D=256
+# -2% (fixed order). The (8-bit operands, head dim, causal) it is on for:
 K_WAIT_UNDER_PV = "auto"
-K_WAIT_UNDER_PV_CALLS = frozenset({(True, 128, False), (False, 64, False)})
+K_WAIT_UNDER_PV_CALLS = frozenset({(False, 64, False)})
 # 16-bit: an optimization barrier on the softmax's results (accumulator,
 # max, sum, P) before the ping-pong's wait, as the FP8 path has
 # (FP8_SOFTMAX_BARRIER) and tokamax's forward at head dims <= 128. Off: at
@@ -156,12 +157,15 @@ PING_PONG = "auto"
 # without it; RECORD 2026-11-25, "The Q prefetch's check at size"). A module
 # switch for A/B runs.
 Q_PREFETCH = True
-# The FP8 forward (output tiles of its own anyway) prefetches only at these
-# head dims: H100, 16k tokens, default FP8 tiles, 7 alternating rounds
-# (`benchmarks/fp8.py prefetch_ab`, RECORD 2026-11-26, "After the decode and
-# Q-prefetch changes"): on / off 1.035 at D=64, 0.963 at D=128, 0.980 at
-# D=256, 0.960 at D=128 causal.
-FP8_Q_PREFETCH_HEAD_DIMS = (64,)
+# The FP8 forward (output tiles of its own anyway) prefetches at these head
+# dims: all of them. H100, 16k tokens, default FP8 tiles, 12 interleaved
+# rounds in the balanced order (`benchmarks/fp8.py prefetch_ab`, RECORD
+# 2026-11-26, "FP8 defaults from fixed-order A/Bs, re-timed"): on / off
+# 1.036 at D=64, 1.021 at D=128, 1.014 at D=256, 1.012 at D=128 causal.
+# (A fixed-order A/B of 2026-11-25 had put it behind at 128 and 256: it
+# timed the prefetch right after cuDNN in every round.) A table for A/B
+# runs (fp8.py prefetch_ab patches it).
+FP8_Q_PREFETCH_HEAD_DIMS = (64, 128, 256)
 
 
 def waits_for_k_under_pv(fp8: bool, head_dim: int, causal: bool) -> bool:
