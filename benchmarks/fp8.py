@@ -7,6 +7,7 @@ Usage (repo root, H100/H200):
   PYTHONPATH=. python3 benchmarks/fp8.py sweep [--json F]
   PYTHONPATH=. python3 benchmarks/fp8.py prefetch_ab [--rounds R] [--json F]
   PYTHONPATH=. python3 benchmarks/fp8.py k_wait_ab [--rounds R] [--json F]
+  PYTHONPATH=. python3 benchmarks/fp8.py barrier_ab [--rounds R] [--json F]
 
 check: per case (head dims 64/128/256, masks, GQA, ragged lengths, sinks,
   soft cap, tiles), the kernel against the exact XLA model of its
@@ -30,6 +31,8 @@ prefetch_ab: as time, the default FP8 tiles with the persistent kernel's Q
 k_wait_ab: as prefetch_ab, each step's wait for the next K tile after its
   P V product and under it (forward.K_WAIT_UNDER_PV False / True), and
   the head dim's default (`forward.waits_for_k_under_pv`) in each row.
+barrier_ab: as prefetch_ab, the softmax's optimization barrier
+  (forward.FP8_SOFTMAX_BARRIER) on and off.
 accuracy: FlashAttention-3's recipe (standard normal q/k/v, 0.1% of the
   entries x10), B=2, 4096 tokens, 16 heads, D = 64/128/256, through
   jflash.flash_attention: relative RMS error against float32 attention on
@@ -384,6 +387,26 @@ def k_wait_ab(args) -> int:
   return 0
 
 
+def barrier_ab(args) -> int:
+  default = forward.FP8_SOFTMAX_BARRIER
+
+  def setter(value):
+    def set_switches(d, causal):
+      del d, causal
+      forward.FP8_SOFTMAX_BARRIER = value
+    return set_switches
+
+  def restore():
+    forward.FP8_SOFTMAX_BARRIER = default
+
+  rows = switch_ab(args, {"barrier_on": setter(True),
+                          "barrier_off": setter(False)}, restore, seed=320)
+  for row in rows:
+    row["off_vs_on"] = row["barrier_off"] / row["barrier_on"]
+  write_json(args.json, rows)
+  return 0
+
+
 def sweep(args) -> int:
   rows = []
   for d, causal, flops, tiles, make in default_tile_cases(
@@ -455,20 +478,21 @@ def accuracy(args) -> int:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("mode", choices=("check", "time", "accuracy", "sweep",
-                                       "prefetch_ab", "k_wait_ab"))
+                                       "prefetch_ab", "k_wait_ab",
+                                       "barrier_ab"))
   parser.add_argument("--json", help="write the results here")
   parser.add_argument("--quick", action="store_true",
                       help="time: D=128 non-causal only; accuracy: 256 "
                       "tokens")
   parser.add_argument("--rounds", type=int, default=12,
-                      help="prefetch_ab, k_wait_ab: interleaved rounds (a "
+                      help="the *_ab modes: interleaved rounds (a "
                            "multiple of 6 balances the order of the three "
                            "calls)")
   args = parser.parse_args(argv)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
   return {"check": check, "time": time_all, "accuracy": accuracy,
           "sweep": sweep, "prefetch_ab": prefetch_ab,
-          "k_wait_ab": k_wait_ab}[args.mode](args)
+          "k_wait_ab": k_wait_ab, "barrier_ab": barrier_ab}[args.mode](args)
 
 
 if __name__ == "__main__":
