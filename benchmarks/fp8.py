@@ -364,47 +364,45 @@ def prefetch_ab(args) -> int:
   return 0
 
 
-def k_wait_ab(args) -> int:
-  default = forward.K_WAIT_UNDER_PV
+def module_switch_ab(args, switch: str, variants: dict, seed: int,
+                     ratio: str, annotate=None) -> int:
+  """`switch_ab` over values of one of forward.py's module switches
+  (variants {name: value of forward.<switch>}, two of them; the switch
+  restored after): each row gets `ratio`, the second variant's TFLOP/s over
+  the first's, and `annotate(row)`'s additions; rows to args.json."""
+  default = getattr(forward, switch)
 
   def setter(value):
     def set_switches(d, causal):
       del d, causal
-      forward.K_WAIT_UNDER_PV = value
+      setattr(forward, switch, value)
     return set_switches
 
-  def restore():
-    forward.K_WAIT_UNDER_PV = default
-
-  rows = switch_ab(args, {"k_wait_after_pv": setter(False),
-                          "k_wait_under_pv": setter(True)}, restore,
-                   seed=310)
+  rows = switch_ab(
+      args, {name: setter(value) for name, value in variants.items()},
+      lambda: setattr(forward, switch, default), seed=seed)
+  first, second = variants
   for row in rows:
-    row["under_vs_after"] = row["k_wait_under_pv"] / row["k_wait_after_pv"]
-    row["default_under_pv"] = forward.waits_for_k_under_pv(
-        True, row["d"], row["causal"])
+    row[ratio] = row[second] / row[first]
+    if annotate is not None:
+      annotate(row)
   write_json(args.json, rows)
   return 0
+
+
+def k_wait_ab(args) -> int:
+  return module_switch_ab(
+      args, "K_WAIT_UNDER_PV",
+      {"k_wait_after_pv": False, "k_wait_under_pv": True}, seed=310,
+      ratio="under_vs_after",
+      annotate=lambda row: row.update(default_under_pv=(
+          forward.waits_for_k_under_pv(True, row["d"], row["causal"]))))
 
 
 def barrier_ab(args) -> int:
-  default = forward.FP8_SOFTMAX_BARRIER
-
-  def setter(value):
-    def set_switches(d, causal):
-      del d, causal
-      forward.FP8_SOFTMAX_BARRIER = value
-    return set_switches
-
-  def restore():
-    forward.FP8_SOFTMAX_BARRIER = default
-
-  rows = switch_ab(args, {"barrier_on": setter(True),
-                          "barrier_off": setter(False)}, restore, seed=320)
-  for row in rows:
-    row["off_vs_on"] = row["barrier_off"] / row["barrier_on"]
-  write_json(args.json, rows)
-  return 0
+  return module_switch_ab(
+      args, "FP8_SOFTMAX_BARRIER", {"barrier_on": True, "barrier_off": False},
+      seed=320, ratio="off_vs_on")
 
 
 def sweep(args) -> int:
