@@ -328,10 +328,11 @@ def balanced_orders(count: int) -> list[list[int]]:
   design: `count` rounds for an even count, 2 * count for an odd one).
 
   On a power-capped GPU a call starts at the clock its predecessor left: in
-  an A/A test two identical FP8 kernels came out 1.5-3.6% apart, the one
-  timed after cuDNN's kernel slowest, in a fixed order and in a rotated one
-  alike (a rotation keeps every call's predecessor; RECORD 2026-11-26, "an
-  A/A test of the interleaved-rounds harness").
+  an A/A test four copies of one FP8 kernel came out up to 3.6% apart, the
+  one timed after cuDNN's kernel the slowest, in a fixed order and in a
+  rotated one alike (a rotation keeps every call's predecessor); in this
+  order within 0.13% (RECORD 2026-11-26, "an A/A test of the
+  interleaved-rounds harness", "the balanced order checked").
   """
   first, low, high = [0], 1, count - 1
   while len(first) < count:

@@ -99,8 +99,8 @@ AB_VARIANTS = {
 
 def variants_ab(shape, causal, sizes, persistent, rounds, variants):
   """The forward under each variant (forward.py module switches, see
-  AB_VARIANTS) and cuDNN in interleaved rounds (`bench.round_orders`): median TFLOP/s per
-  variant, each / the first variant, and each / cuDNN."""
+  AB_VARIANTS) and cuDNN in interleaved rounds (`bench.round_orders`):
+  median TFLOP/s per variant, each / the first variant, and each / cuDNN."""
   q, k, v, _ = bench.random_inputs(jax.random.key(0), shape, jnp.bfloat16)
   flop = bench.flops(shape, causal, "fwd")
   call = api.describe(q, k, v, is_causal=causal)

@@ -161,10 +161,12 @@ Q_PREFETCH = True
 # dims: all of them. H100, 16k tokens, default FP8 tiles, 12 interleaved
 # rounds in the balanced order (`benchmarks/fp8.py prefetch_ab`, RECORD
 # 2026-11-26, "FP8 defaults from fixed-order A/Bs, re-timed"): on / off
-# 1.036 at D=64, 1.021 at D=128, 1.014 at D=256, 1.012 at D=128 causal.
-# (A fixed-order A/B of 2026-11-25 had put it behind at 128 and 256: it
-# timed the prefetch right after cuDNN in every round.) A table for A/B
-# runs (fp8.py prefetch_ab patches it).
+# 1.036 at D=64, 1.021 at D=128, 1.014 at D=256, 1.012 at D=128 causal;
+# with the K wait's change, +3.9-5.0% at 2-4k keys ("the FP8 defaults
+# changed"). A fixed-order A/B ("After the decode and Q-prefetch changes")
+# had put it behind at 128 and 256: it timed the prefetch right after
+# cuDNN in every round. A table for A/B runs (fp8.py prefetch_ab patches
+# it).
 FP8_Q_PREFETCH_HEAD_DIMS = (64, 128, 256)
 
 
