@@ -2,7 +2,7 @@
 
 Usage (repo root, H100/H200):
   PYTHONPATH=. python3 benchmarks/fp8.py check [--json F]
-  PYTHONPATH=. python3 benchmarks/fp8.py time [--json F] [--quick]
+  PYTHONPATH=. python3 benchmarks/fp8.py time [--json F] [--quick] [--time-rounds R]
   PYTHONPATH=. python3 benchmarks/fp8.py accuracy [--json F]
   PYTHONPATH=. python3 benchmarks/fp8.py sweep [--json F]
   PYTHONPATH=. python3 benchmarks/fp8.py prefetch_ab [--rounds R] [--json F]
@@ -18,8 +18,10 @@ check: per case (head dims 64/128/256, masks, GQA, ragged lengths, sinks,
 time: B=1, 16 heads, 16k tokens (FlashAttention-3's FP8 setting), D = 64,
   128, 256 non-causal and D=128 causal: the FP8 kernel for several tiles,
   timed from e4m3 q/k/v and descales as a user passes them (V's transpose
-  included), beside cuDNN bf16 and jflash bf16 in the same process.
-  TFLOP/s = 4 B N T S D / time (x 1/2 causal). Medians of fresh inputs.
+  included), beside cuDNN bf16 and jflash bf16 in the same process, the
+  five calls of a row in --time-rounds interleaved rounds in the balanced
+  order (`run.round_orders`). TFLOP/s = 4 B N T S D / time (x 1/2 causal).
+  Medians of fresh inputs.
 sweep: as time, the default tiles with and without the softmax's
   optimization barrier (forward.FP8_SOFTMAX_BARRIER), persistent or not.
 prefetch_ab: as time, the default FP8 tiles with the persistent kernel's Q
@@ -243,28 +245,44 @@ def time_all(args) -> int:
     def tflops(seconds):
       return flops / seconds / 1e12
 
-    row = dict(d=d, causal=causal, tokens=seq, heads=heads)
+    row = dict(d=d, causal=causal, tokens=seq, heads=heads,
+               rounds=args.time_rounds)
     cudnn = jax.jit(functools.partial(jax.nn.dot_product_attention,
                                       implementation="cudnn",
                                       is_causal=causal))
     jf = jax.jit(functools.partial(jflash.flash_attention, is_causal=causal))
-    for label, fn in (("cudnn_bf16", cudnn), ("jflash_bf16", jf)):
-      try:
-        row[label] = tflops(bench(fn, lambda r: inputs(r, "bf16")))
-      except Exception as e:  # noqa: BLE001
-        row[label] = f"{type(e).__name__}: {str(e)[:200]}"
+
+    def make_fp8(r):
+      (q8, qd), (k8, kd), (v8, vd) = inputs(r, "fp8")
+      return q8, k8, v8, (qd, kd, vd)
+
+    calls = {"cudnn_bf16": (cudnn, lambda r: inputs(r, "bf16")),
+             "jflash_bf16": (jf, lambda r: inputs(r, "bf16"))}
     for block_kv, stages in tiles[d]:
-      label = f"fp8_kv{block_kv}x{stages}"
-
-      def make(r):
-        (q8, qd), (k8, kd), (v8, vd) = inputs(r, "fp8")
-        return q8, k8, v8, (qd, kd, vd)
-
       fn = jax.jit(functools.partial(
           fp8_call, block_sizes=MosaicBlockSizes(block_kv=block_kv,
                                                  num_stages=stages),
           is_causal=causal))
-      row[label] = timed_tflops(fn, make, flops)
+      calls[f"fp8_kv{block_kv}x{stages}"] = (
+          lambda *a, fn=fn: fn(*a)[0], make_fp8)
+    times = {}
+    for label, (fn, make) in calls.items():  # Compiled, or the error.
+      try:
+        jax.block_until_ready(fn(*make(0)))
+        times[label] = []
+      except Exception as e:  # noqa: BLE001 - a row per variant
+        row[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    # Interleaved rounds, each call right after each other one equally
+    # often (on a power-capped GPU a call starts at the clock its
+    # predecessor left): fresh inputs per call.
+    for r, order in enumerate(run.round_orders(list(times),
+                                               args.time_rounds)):
+      for label in order:
+        fn, make = calls[label]
+        times[label].append(bench(
+            fn, lambda i, r=r, make=make: make(10 * r + i + 1), rounds=1))
+    for label, samples in times.items():
+      row[label] = tflops(float(np.median(samples)))
     best = max((v for k, v in row.items() if k.startswith("fp8_")
                 and isinstance(v, float)), default=None)
     row["fp8_best"] = best
@@ -482,6 +500,9 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true",
                       help="time: D=128 non-causal only; accuracy: 256 "
                       "tokens")
+  parser.add_argument("--time-rounds", type=int, default=10,
+                      help="time: interleaved rounds of its five calls per "
+                           "row (a multiple of 10 balances their order)")
   parser.add_argument("--rounds", type=int, default=12,
                       help="the *_ab modes: interleaved rounds (a "
                            "multiple of 6 balances the order of the three "
