@@ -2,7 +2,8 @@
 
 Usage (repo root, H100/H200):
   PYTHONPATH=. python3 benchmarks/fp8.py check [--json F]
-  PYTHONPATH=. python3 benchmarks/fp8.py time [--json F] [--quick] [--time-rounds R]
+  PYTHONPATH=. python3 benchmarks/fp8.py time [--json F] [--quick]
+      [--time-rounds R]
   PYTHONPATH=. python3 benchmarks/fp8.py accuracy [--json F]
   PYTHONPATH=. python3 benchmarks/fp8.py sweep [--json F]
   PYTHONPATH=. python3 benchmarks/fp8.py prefetch_ab [--rounds R] [--json F]
