@@ -43,7 +43,14 @@ divided by the implementation's (> 1: faster than cuDNN). `attn ms` and
 `attn %` estimate the attention kernels' share of the step: the median time
 of the attention alone at the layer's shape (forward + backward, plus one
 more forward per layer when rematerialized), times --layers, over the step
-time (--no-attention-share skips them). `loss` is the first step's loss,
+time (--no-attention-share skips them). That estimate is wall time of
+attention-only programs: inside the step the same kernels ran 5-18%
+longer (H100 at its 700 W power cap, later layers of the backward the
+most), and cuDNN's attention-only programs 10-15% longer than its kernels
+inside the step, so the column can misstate the attention's part of a
+step ratio; GPU time per kernel from a `jax.profiler` trace of warm steps
+is the measure (RECORD 2026-11-26, "the training step at steady state";
+its script is in results/scripts_2026-11-26/SCRIPTS.md, step_profile2.py). `loss` is the first step's loss,
 the same batch and parameters for every implementation, so the column should
 agree to bf16 rounding. `mem MiB` is the compiled step's footprint from
 XLA's memory analysis (arguments + outputs + temporaries - aliases).
