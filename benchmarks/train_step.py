@@ -46,10 +46,11 @@ more forward per layer when rematerialized), times --layers, over the step
 time (--no-attention-share skips them). That estimate is wall time of
 attention-only programs: inside the step the same kernels ran 5-18%
 longer (H100 at its 700 W power cap, later layers of the backward the
-most), and cuDNN's attention-only programs 10-15% longer than its kernels
-inside the step, so the column can misstate the attention's part of a
-step ratio; GPU time per kernel from a `jax.profiler` trace of warm steps
-is the measure (RECORD 2026-11-26, "the training step at steady state";
+most), and at 8 x 2048 with 4 kv heads cuDNN's attention-only programs
+took 14.5-15.0 ms of wall time against 13.0 ms of GPU time for its
+kernels inside the step, so the column can misstate the attention's part
+of a step ratio; GPU time per kernel from a `jax.profiler` trace of warm
+steps is the measure (RECORD 2026-11-26, "the training step at steady state";
 its script is in results/scripts_2026-11-26/SCRIPTS.md, step_profile2.py). `loss` is the first step's loss,
 the same batch and parameters for every implementation, so the column should
 agree to bf16 rounding. `mem MiB` is the compiled step's footprint from
