@@ -173,6 +173,10 @@ class MosaicLoweringTest(parameterized.TestCase):
       # 128-key tiles at head dim 256 (64-key ones with segment ids).
       ("d256_gqa_lengths", (2, 200, 300, 4, 2, 256),
        dict(is_causal=False, has_lengths=True), None, False),
+      # The persistent kernel with the Q prefetch at head dim 256 (its
+      # 128-key tiles leave 1 KiB of shared memory).
+      ("d256_persistent", (2, 256, 384, 4, 2, 256), dict(is_causal=False),
+       None, False),
   )
   def test_fp8_forward_lowers_for_cuda(self, shape, mask_options, soft_cap,
                                        sinks):
@@ -189,6 +193,9 @@ class MosaicLoweringTest(parameterized.TestCase):
                     out_dtype="bfloat16")
     self.assertIsNone(mosaic_backend.check(spec, "forward"))
     config = mosaic_backend.BACKEND.configure(spec)
+    if mosaic_forward.runs_persistent(spec):
+      # The persistent FP8 kernel prefetches Q at every head dim.
+      self.assertTrue(mosaic_forward.q_prefetch(True, head_dim))
     sds = jax.ShapeDtypeStruct
     ids = lambda length: (sds((batch, length), jnp.int32)
                           if spec.mask.has_segments else None)
