@@ -1,8 +1,10 @@
 """The Mosaic backward at head dim 256: the two ways its warpgroups split a
 shared row tile (`config.BWD_SHARED_ROW_SPLIT`), side by side.
 
-Per shape and causality, in interleaved rounds (one call of each step per
-round, after a warm-up, so that clock and thermal drift fall on all alike),
+Per shape and causality, in interleaved rounds (a call of each step per
+round, after a warm-up, each right after each other one equally often over
+the rounds, `run.round_orders`, so that clock drift and the clock a call
+leaves fall on all alike),
 the median time of:
 
 - cuDNN's forward+backward (`jax.nn.dot_product_attention`, as run.py);
@@ -29,6 +31,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 
+from benchmarks import run
 import jflash
 from jflash._src import api
 from jflash._src.backends.mosaic import backward as mosaic_backward
@@ -125,7 +128,8 @@ def main():
                       default=["1,8192,16,256", "2,4096,16,256"])
   parser.add_argument("--causal", choices=("both", "yes", "no"),
                       default="both")
-  parser.add_argument("--rounds", type=int, default=15)
+  # Nine calls per case: a balanced cycle of 18 rounds (`run.round_orders`).
+  parser.add_argument("--rounds", type=int, default=18)
   parser.add_argument("--iters", type=int, default=5)
   parser.add_argument("--json")
   args = parser.parse_args()
@@ -141,8 +145,9 @@ def main():
       for _ in range(2):  # Warm-up.
         for step, step_args in steps.values():
           jax.block_until_ready(step(*step_args))
-      for _ in range(args.rounds):
-        for name, (step, step_args) in steps.items():
+      for order in run.round_orders(list(steps), args.rounds):
+        for name in order:
+          step, step_args = steps[name]
           start = time.perf_counter()
           for _ in range(args.iters):
             result = step(*step_args)
