@@ -334,6 +334,8 @@ def balanced_orders(count: int) -> list[list[int]]:
   order within 0.13% (RECORD 2026-11-26, "an A/A test of the
   interleaved-rounds harness", "the balanced order checked").
   """
+  if count == 0:
+    return []
   first, low, high = [0], 1, count - 1
   while len(first) < count:
     if len(first) % 2:
@@ -352,7 +354,7 @@ def round_orders(names: list[str], rounds: int) -> list[list[str]]:
   """The order of `names` in each of `rounds` interleaved timing rounds
   (`balanced_orders`, cycled): use a multiple of `len(balanced_orders(
   len(names)))` rounds for a balanced run."""
-  orders = balanced_orders(len(names))
+  orders = balanced_orders(len(names)) or [[]]  # No names: empty rounds.
   return [[names[i] for i in orders[r % len(orders)]] for r in range(rounds)]
 
 

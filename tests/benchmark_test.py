@@ -117,6 +117,8 @@ class BenchmarkTest(absltest.TestCase):
     self.assertLen(rounds, 8)
     self.assertEqual(rounds[6], rounds[0])  # A cycle of 6 for three calls.
     self.assertCountEqual(rounds[1], names)
+    # Every call failed to compile: rounds with nothing to time.
+    self.assertEqual(run.round_orders([], 2), [[], []])
 
 
 class TrainStepTest(absltest.TestCase):
