@@ -262,11 +262,11 @@ def flash_attention(
       same run after run (no kernel adds floats in a varying order; not
       Flax's `deterministic`, which turns dropout off). False lets a
       backend take such kernels where they are faster: today the Mosaic
-      backward at head dim 64 with 16-bit inputs, its default tiles, no
-      GQA and 4096 or more queries and keys adds dQ into float32 with
-      reduce-adds from the dK/dV kernel (one kernel, 5 matrix products
-      instead of 7; forward+backward on an H100 1.07-1.10x faster at
-      2 x 4096 and 4 x 4096 x 16 heads, 1.03x at 1 x 16384, 1.01-1.03x
+      backward at head dim 64 with 16-bit inputs, no `block_sizes` of the
+      caller's, no GQA and 4096 or more queries and keys adds dQ into
+      float32 with reduce-adds from the dK/dV kernel (one kernel, 5 matrix
+      products instead of 7; forward+backward on an H100 1.07-1.10x faster
+      at 2 x 4096 and 4 x 4096 x 16 heads, 1.03x at 1 x 16384, 1.01-1.03x
       causal); the last bits of dQ then vary between runs. Other calls are
       unchanged by it.
 

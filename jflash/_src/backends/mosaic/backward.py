@@ -109,7 +109,6 @@ PRODUCER = COMPUTE_WARPGROUPS
 ATOMIC_DQ_REGISTERS = (240, 24)
 
 
-
 def _columns(ref, chunk: int, width: int, chunks: int):
   """The head-dim columns [chunk * width, (chunk + 1) * width) of a
   [rows, head_dim] ref (the whole ref with a single chunk)."""
