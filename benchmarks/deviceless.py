@@ -95,12 +95,16 @@ class KernelReport:
   registers: int
   spill_stores: int
   ptxas_ms: float
+  # ptxas's performance advisories (e.g. C7510-C7515: wgmma serialized).
+  advisories: tuple[str, ...] = ()
 
 
 def parse_ptxas(text: str) -> list[KernelReport]:
-  """One report per `Compiling entry function` block of ptxas -v."""
+  """One report per `Compiling entry function` block of ptxas -v (an
+  advisory printed before a block belongs to it)."""
   reports = []
-  for block in text.split("Compiling entry function")[1:]:
+  blocks = text.split("Compiling entry function")
+  for before, block in zip(blocks, blocks[1:]):
     name = re.search(r"'([^']+)'", block)
     regs = re.search(r"Used (\d+) registers", block)
     spills = re.search(r"(\d+) bytes spill stores", block)
@@ -108,7 +112,8 @@ def parse_ptxas(text: str) -> list[KernelReport]:
     reports.append(KernelReport(
         name.group(1) if name else "?", int(regs.group(1)) if regs else -1,
         int(spills.group(1)) if spills else -1,
-        float(ms.group(1)) if ms else -1.0))
+        float(ms.group(1)) if ms else -1.0,
+        tuple(sorted(set(re.findall(r"\((C75\d\d)\)[^\n]*", before))))))
   return reports
 
 
@@ -169,7 +174,8 @@ def main(argv=None) -> None:
   print(f"lower {lower_s:.2f} s, compile {compile_s:.2f} s")
   for r in reports:
     print(f"  {r.name:26} {r.registers:4d} registers  {r.spill_stores:4d} "
-          f"bytes spilled  ptxas {r.ptxas_ms:7.1f} ms")
+          f"bytes spilled  ptxas {r.ptxas_ms:7.1f} ms  "
+          f"{' '.join(r.advisories)}")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,10 @@ PRODUCER = COMPUTE_WARPGROUPS
 # default kernels lost 0-4% with it (RECORD 2026-11-26, "the atomic dK/dV
 # kernel's spills").
 ATOMIC_DQ_REGISTERS = (240, 24)
+# atomic_dq: a step's dK product and the dQ pieces of the step before run
+# on the tensor cores together, behind one wait (False: dK's product is
+# waited for before the pieces are issued). Read when a call is traced.
+ATOMIC_DQ_ONE_WAIT = True
 
 
 def _columns(ref, chunk: int, width: int, chunks: int):
@@ -780,10 +784,23 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       scratch.ds.at[buffer, row_group][...] = ds_t
       plgpu.commit_smem()
       plgpu.barrier_arrive(scratch.ds_ready.at[buffer])
-      if kind != "skip":
-        dk = _accumulated(dk, ds_t, scratch.q.at[slot])
+      if not ATOMIC_DQ_ONE_WAIT:
+        if kind != "skip":
+          dk = _accumulated(dk, ds_t, scratch.q.at[slot])
+        plgpu.barrier_arrive(scratch.consumed.at[slot])
+        pl.when(index > 0)(lambda: add_query_gradient(index - 1))
+        return dk, dv
+
+      def products(dk_ref):
+        # dK's product stays in flight while the pieces' products are
+        # issued; reading the pieces' accumulator waits for both.
+        if kind != "skip":
+          plgpu.wgmma(dk_ref, ds_t, scratch.q.at[slot])
+        pl.when(index > 0)(lambda: add_query_gradient(index - 1))
+
+      dk = pl.run_state(products)(plgpu.ACC.init(dk))
+      # After dK's product has read this step's Q tile.
       plgpu.barrier_arrive(scratch.consumed.at[slot])
-      pl.when(index > 0)(lambda: add_query_gradient(index - 1))
       return dk, dv
 
     def add_query_gradient(index):
