@@ -264,13 +264,13 @@ class MosaicHeadDim256BackwardTest(parameterized.TestCase):
 
 
 class MosaicAtomicDqTest(parameterized.TestCase):
-  """The opt-in 5-product Mosaic backward (`MosaicBlockSizes(atomic_dq=
-  True)`: dQ by float32 reduce-adds from the dK/dV kernel, its pieces
+  """The 5-product Mosaic backward (`MosaicBlockSizes(atomic_dq=True)`:
+  dQ by int32 fixed-point reduce-adds from the dK/dV kernel, its pieces
   dealt out to the two warpgroups, `config.atomic_dq_pieces`) against the
   XLA path, with masks that make one row group skip tiles the other
   computes (`deterministic_grads=False` picks it by itself only for longer
-  sequences: config.nondeterministic_tiles). Not bitwise deterministic
-  (the adds' order varies). Hopper only."""
+  sequences: config.nondeterministic_tiles), and run twice: bitwise the
+  same. Hopper only."""
 
   def setUp(self):
     super().setUp()
@@ -308,6 +308,10 @@ class MosaicAtomicDqTest(parameterized.TestCase):
     results = jax.block_until_ready(step(q, k, v, dout))
     test_util.assert_close_to_reference(self, results, q, k, v, dout,
                                         **kwargs)
+    # dQ's int32 fixed-point sums are exact: the same bits on every run.
+    again = jax.block_until_ready(step(q, k, v, dout))
+    for first, second in zip(jax.tree.leaves(results), jax.tree.leaves(again)):
+      np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
 
 
 # One process's Mosaic fwd+bwd (D=128, causal with segments, bfloat16):

@@ -18,8 +18,10 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jflash._src.backends.mosaic import backend as mosaic_backend
+from jflash._src.backends.mosaic import backward as mosaic_backward
 from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.mosaic import forward as mosaic_forward
 from jflash._src.backends.mosaic import pipeline
@@ -161,6 +163,50 @@ class MosaicLoweringTest(parameterized.TestCase):
         **tiles)
     self._check_lowering("atomic_dq", shape, "bfloat16", mask_options,
                          soft_cap, block_sizes=sizes, deterministic_grads=False)
+
+  def test_fixed_point_exponents_bound_every_partial_sum(self):
+    # dQ's int32 fixed point (atomic_dq): against dense float32 dS and
+    # every block of 128 keys' partial dQ, with rows of dO from 1e-3 to
+    # 1e3 and GQA, the sum of the blocks' |partial| times 2^e stays under
+    # 2^30 (so no running int32 sum can overflow), while each row's largest
+    # |dQ| still spans at least 2^12 units; a non-finite input marks its
+    # rows (an inf in dO: that row; a nan in K: its kv head's rows).
+    batch, q_len, kv_len, heads, kv_heads, head_dim = 1, 64, 512, 4, 2, 64
+    keys = jax.random.split(jax.random.key(3), 4)
+    q, do = (jax.random.normal(key, (batch, q_len, heads, head_dim))
+             for key in keys[:2])
+    do = do * jnp.logspace(-3, 3, q_len)[None, :, None, None]
+    k, v = (jax.random.normal(key, (batch, kv_len, kv_heads, head_dim))
+            for key in keys[2:])
+    q, do, k, v = (x.astype(jnp.bfloat16).astype(jnp.float32)
+                   for x in (q, do, k, v))
+    group = heads // kv_heads
+    kg, vg = (jnp.repeat(x, group, axis=2) for x in (k, v))
+    s = jnp.einsum("bqnh,bknh->bnqk", q, kg) * head_dim ** -0.5
+    p = jax.nn.softmax(s, axis=-1)
+    dp = jnp.einsum("bqnh,bknh->bnqk", do, vg)
+    out = jnp.einsum("bnqk,bknh->bqnh", p, vg)
+    delta = jnp.einsum("bqnh,bqnh->bnq", do, out)
+    ds = p * (dp - delta[..., None])
+    blocks = kv_len // 128
+    partial = jnp.einsum(  # [B, N, T, blocks, H]
+        "bnqjk,bjknh->bnqjh", ds.reshape(batch, heads, q_len, blocks, 128),
+        kg.reshape(batch, blocks, 128, heads, head_dim))
+    exponents, finite = mosaic_backward.dq_fixed_point_exponents(
+        k, v, do, delta, group)
+    self.assertTrue(bool(jnp.all(finite)))
+    units = jnp.ldexp(1.0, exponents)[..., None, None]  # [B, N, T, 1, 1]
+    magnitude = jnp.sum(jnp.abs(partial) * units, axis=3)  # Over blocks.
+    self.assertLess(float(jnp.max(magnitude)), 2.0 ** 30)
+    dq_units = jnp.abs(jnp.sum(partial, axis=3)) * units[..., 0]
+    self.assertGreater(float(jnp.min(jnp.max(dq_units, axis=-1))), 2.0 ** 12)
+    self.assertLess(float(jnp.max(jnp.abs(ds) * units[..., 0])), 2.0 ** 100)
+    _, finite = mosaic_backward.dq_fixed_point_exponents(
+        k.at[0, 5, 1, 0].set(jnp.nan), v, do.at[0, 7, 0, 3].set(jnp.inf),
+        delta, group)
+    expected = jnp.ones((batch, heads, q_len), bool)
+    expected = expected.at[0, 2:].set(False).at[0, 0, 7].set(False)
+    np.testing.assert_array_equal(np.asarray(finite), np.asarray(expected))
 
   @parameterized.named_parameters(
       ("d128_gqa_causal_lengths_sinks", (2, 200, 300, 4, 2, 128),

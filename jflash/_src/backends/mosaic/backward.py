@@ -107,10 +107,14 @@ PRODUCER = COMPUTE_WARPGROUPS
 # default kernels lost 0-4% with it (RECORD 2026-11-26, "the atomic dK/dV
 # kernel's spills").
 ATOMIC_DQ_REGISTERS = (240, 24)
-# atomic_dq: a step's dK product and the dQ pieces of the step before run
-# on the tensor cores together, behind one wait (False: dK's product is
-# waited for before the pieces are issued). Read when a call is traced.
-ATOMIC_DQ_ONE_WAIT = True
+# atomic_dq: dQ is added up in int32 fixed point (integer adds are exact,
+# so the sum is the same in any order: bitwise deterministic), each query
+# row in units of 2^-DQ_FIXED_POINT_BITS times a power of two that bounds
+# its |dQ| / scale (`dq_fixed_point_factors`); False: float32 reduce-adds,
+# whose order (and so dQ's last bits) varies from run to run. Read when a
+# call is traced.
+ATOMIC_DQ_FIXED_POINT = True
+DQ_FIXED_POINT_BITS = 30
 
 
 def _columns(ref, chunk: int, width: int, chunks: int):
@@ -556,8 +560,8 @@ class DkvScratch:
     ds: with atomic_dq, [2, row_groups, block_kv, block_q]: by step
       parity, each row group's dS^T, transposed the left operands of the dQ
       products of both warpgroups; else None.
-    dq_stage: with atomic_dq, float32 [COMPUTE_WARPGROUPS, pieces,
-      DQ_PIECE, DQ_PIECE]: each warpgroup's dQ pieces
+    dq_stage: with atomic_dq, [COMPUTE_WARPGROUPS, pieces, DQ_PIECE,
+      DQ_PIECE] of dq_sum's dtype: each warpgroup's dQ pieces
       (`config.atomic_dq_pieces`) for their reduce-adds; else None.
     kv_ready: per row group: its K and V (and ids) loaded.
     q_ready: per slot: its Q and lse (and ids) loaded.
@@ -575,6 +579,8 @@ class DkvScratch:
       written.
     ds_free: with atomic_dq, per ds buffer: both warpgroups' dQ products
       have read it.
+    dq_factors: with atomic_dq in fixed point, float32 [stages, block_q]:
+      the ring of the query tiles' `dq_fixed_point_factors`; else None.
   """
 
   rows: Any
@@ -596,6 +602,7 @@ class DkvScratch:
   probs_free: Any = None
   ds_ready: Any = None
   ds_free: Any = None
+  dq_factors: Any = None
 
 
 def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
@@ -730,7 +737,9 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     probabilities_of = transposed_probabilities(row_group, k_start, k_tile)
 
     def tile_gradients(slot, q_tile_index, kind: str, dv):
-      """(dV + P^T dO, dS^T in the input dtype) of query tile `slot`."""
+      """(dV + P^T dO, dS^T in the input dtype) of query tile `slot`; in
+      fixed point also dS^T times the query rows' factors, for the dQ
+      products (a power of two: the same rounding as dS^T's)."""
       do_tile = scratch.do.at[slot]
       probs, capped = probabilities_of(slot, q_tile_index, kind)
 
@@ -749,7 +758,12 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       delta = plgpu.load(scratch.delta.at[slot], layout=column_layout)
       ds_t = _score_gradient(probs, capped, dp_t,
                              lax.broadcast_in_dim(delta, tile_shape, [1]))
-      return dv, ds_t.astype(dtype)
+      if refs.dq_factors is None:
+        return dv, ds_t.astype(dtype)
+      factors = plgpu.load(scratch.dq_factors.at[slot],
+                           layout=column_layout)
+      return dv, ds_t.astype(dtype), (
+          ds_t * lax.broadcast_in_dim(factors, tile_shape, [1])).astype(dtype)
 
     def step(q_tile_index, carry, *, head_step, kind: str):
       dk, dv = carry
@@ -775,32 +789,23 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       if kind == "skip":
         plgpu.barrier_wait(scratch.do_ready.at[slot])
         ds_t = plgpu.layout_cast(jnp.zeros(tile_shape, dtype), wgmma_layout)
-      else:
+        ds_for_dq = ds_t
+      elif refs.dq_factors is None:
         dv, ds_t = tile_gradients(slot, q_tile_index, kind, dv)
+        ds_for_dq = ds_t
+      else:
+        dv, ds_t, ds_for_dq = tile_gradients(slot, q_tile_index, kind, dv)
       # This row group's dS^T, for both warpgroups' dQ products in the next
       # step, into the buffer both have read two steps ago.
       buffer = lax.rem(index, 2)
       plgpu.barrier_wait(scratch.ds_free.at[buffer])
-      scratch.ds.at[buffer, row_group][...] = ds_t
+      scratch.ds.at[buffer, row_group][...] = ds_for_dq
       plgpu.commit_smem()
       plgpu.barrier_arrive(scratch.ds_ready.at[buffer])
-      if not ATOMIC_DQ_ONE_WAIT:
-        if kind != "skip":
-          dk = _accumulated(dk, ds_t, scratch.q.at[slot])
-        plgpu.barrier_arrive(scratch.consumed.at[slot])
-        pl.when(index > 0)(lambda: add_query_gradient(index - 1))
-        return dk, dv
-
-      def products(dk_ref):
-        # dK's product stays in flight while the pieces' products are
-        # issued; reading the pieces' accumulator waits for both.
-        if kind != "skip":
-          plgpu.wgmma(dk_ref, ds_t, scratch.q.at[slot])
-        pl.when(index > 0)(lambda: add_query_gradient(index - 1))
-
-      dk = pl.run_state(products)(plgpu.ACC.init(dk))
-      # After dK's product has read this step's Q tile.
+      if kind != "skip":
+        dk = _accumulated(dk, ds_t, scratch.q.at[slot])
       plgpu.barrier_arrive(scratch.consumed.at[slot])
+      pl.when(index > 0)(lambda: add_query_gradient(index - 1))
       return dk, dv
 
     def add_query_gradient(index):
@@ -849,6 +854,10 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
 
         dq = pl.run_scoped(product, plgpu.ACC((DQ_PIECE, DQ_PIECE),
                                               jnp.float32))
+        if refs.dq_factors is not None:
+          # To fixed point, rounded to nearest (|dq| < 2^31 by the factors'
+          # bound, `dq_fixed_point_factors`).
+          dq = jnp.where(dq >= 0.0, dq + 0.5, dq - 0.5).astype(jnp.int32)
         # This piece's reduce-add of the step before (len(pieces) copies
         # ago) must have read its staging tile.
         plgpu.wait_smem_to_gmem(len(pieces) - 1, wait_read_only=True)
@@ -995,12 +1004,54 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     load_rows = pipeline.query_loader(
         refs.q, refs.lse, refs.do, refs.delta, scratch.q, scratch.lse,
         scratch.do, scratch.delta, scratch.q_ready, scratch.do_ready,
-        batch=batch, block_q=block_q, ids=q_ids)
+        batch=batch, block_q=block_q, ids=q_ids,
+        row_scales=(None if refs.dq_factors is None
+                    else (refs.dq_factors, scratch.dq_factors)))
 
     def load(step, slot):
       load_rows(*pipeline.group_step_rows(step, block, group, block_q), slot)
 
     pipeline.produce(load, 0, block.num_steps, stages, (scratch.consumed,))
+
+
+def dq_fixed_point_exponents(key, value, dout, delta, group: int):
+  """atomic_dq in fixed point: per query row, the exponent e (int32
+  [B, N, T'], `dq_sum` holds the row's dQ / scale times 2^e) and whether
+  the row's bound is finite.
+
+  The bound: the dK/dV kernel adds sum_k dS_ik K_kd over its keys into row
+  i, dS_ik = P_ik (dP_ik - delta_i) with dP_ik = dO_i . V_k (times a soft
+  cap's tanh' <= 1). The probabilities of a row sum to at most 1, so any
+  partial sum over keys, and the sum of their magnitudes, is at most
+  b_i = max|K| (|dO_i| max_k |V_k| + |delta_i|) (norms over the head dim;
+  maxima over the kv head's keys). With 2^e b_i < 2^DQ_FIXED_POINT_BITS =
+  2^30 every running int32 sum stays under 2^31 (dS's bf16 rounding and
+  the pieces' float32 sums add well under 1% to it), and a row's
+  resolution is b_i 2^-30 or finer. e also keeps 2^e dS under 2^100 (no
+  overflow where K is tiny) and within float32's normal range.
+
+  Args:
+    key, value: [B, S', K, H] (padded rows are zeros).
+    dout: [B, T', N, H].
+    delta: float32 [B, N, T'].
+    group: query heads per kv head.
+  """
+  f32 = jnp.float32
+  k_max = jnp.max(jnp.abs(key.astype(f32)), axis=(1, 3))  # [B, K]
+  v_norm = jnp.sqrt(jnp.max(jnp.sum(jnp.square(value.astype(f32)), axis=3),
+                            axis=1))  # [B, K]
+  do_norm = jnp.sqrt(jnp.sum(jnp.square(dout.astype(f32)), axis=3))
+  do_norm = jnp.swapaxes(do_norm, 1, 2)  # [B, N, T']
+  per_head = lambda x: jnp.repeat(x, group, axis=1)[:, :, None]
+  ds_bound = do_norm * per_head(v_norm) + jnp.abs(delta)
+  bound = per_head(k_max) * ds_bound
+  exponent = jnp.minimum(DQ_FIXED_POINT_BITS - jnp.frexp(bound)[1],
+                         100 - jnp.frexp(ds_bound)[1])
+  # Maxima may drop nans (XLA's fast min/max): sums keep them.
+  kv_finite = jnp.isfinite(jnp.sum(jnp.abs(key.astype(f32))
+                                   + jnp.abs(value.astype(f32)), axis=(1, 3)))
+  return (jnp.clip(exponent, -120, 120).astype(jnp.int32),
+          jnp.isfinite(bound) & per_head(kv_finite))
 
 
 def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
@@ -1110,6 +1161,7 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
       **hand_over_scratch(block_q, block_kv),
   )
   atomic_dq = block_sizes.atomic_dq
+  fixed_point = atomic_dq and ATOMIC_DQ_FIXED_POINT
   operand_arrays = jax.tree.leaves(inputs)
   if not atomic_dq:
     dq = pipeline.launch(
@@ -1129,6 +1181,7 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
     assert row_groups == COMPUTE_WARPGROUPS and chunks == 1, (row_groups,
                                                               chunks)
     max_pieces = max(map(len, atomic_dq_pieces(block_q, head_dim)))
+    dq_sum_dtype = jnp.int32 if fixed_point else jnp.float32
   dkv_scratch = DkvScratch(
       rows=_rows_scratch(tiles, dtype, block_kv, head_dim, row_groups,
                          rows_chunks),
@@ -1142,15 +1195,15 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
                      transforms=transforms)
           if atomic_dq else None),
       dq_stage=(plgpu.SMEM((COMPUTE_WARPGROUPS, max_pieces, DQ_PIECE,
-                            DQ_PIECE), jnp.float32,
-                           transforms=smem_transforms(jnp.float32))
+                            DQ_PIECE), dq_sum_dtype,
+                           transforms=smem_transforms(dq_sum_dtype))
                 if atomic_dq else None),
       kv_ready=plgpu.Barrier(num_arrivals=2 + with_ids,
                              num_barriers=row_groups),  # K, V (ids).
       q_ready=plgpu.Barrier(num_arrivals=2 + with_ids,
                             num_barriers=stages),  # Q, lse (ids).
-      do_ready=plgpu.Barrier(num_arrivals=2,
-                             num_barriers=stages),  # dO, delta.
+      do_ready=plgpu.Barrier(num_arrivals=2 + int(fixed_point),
+                             num_barriers=stages),  # dO, delta (factors).
       consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
                              num_barriers=stages),
       done=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
@@ -1160,6 +1213,7 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
               ds_free=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
                                     num_barriers=2))
          if atomic_dq else {}),
+      **(dict(dq_factors=stats(stages, block_q)) if fixed_point else {}),
   )
   kv_struct = sharding.output_struct(key.shape, dtype, *operand_arrays)
   dkv_inputs = with_segments(False, block_kv, block_q)
@@ -1180,13 +1234,29 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
   # The reduce-adds need a zeroed buffer that the kernel writes in place: a
   # state ref of `run_state` (discharged here, into a buffer aliased by the
   # kernel call), with dK and dV as refs beside it.
+  factors = None
+  if fixed_point:
+    exponents, finite = dq_fixed_point_exponents(key, value, dout, delta,
+                                                 group)
+    # A row whose bound is not finite (inf or nan in its inputs) adds
+    # nothing and comes out nan.
+    factors = jnp.where(finite, jnp.ldexp(jnp.float32(1), exponents), 0.0)
+
   def run(refs):
     dq_sum, dk, dv = refs
-    launch_dkv(dkv_inputs.replace(dq_sum=dq_sum), out_type=(),
-               outputs=(dk, dv))
+    launch_dkv(dkv_inputs.replace(dq_sum=dq_sum, dq_factors=factors),
+               out_type=(), outputs=(dk, dv))
 
   dq_sum, dk, dv = pl.run_state(run)((
-      jnp.zeros(query.shape, jnp.float32), jnp.zeros(key.shape, dtype),
+      jnp.zeros(query.shape, dq_sum_dtype), jnp.zeros(key.shape, dtype),
       jnp.zeros(key.shape, dtype)))
-  dq = (dq_sum * spec.scale).astype(dtype)
+  if fixed_point:
+    # Back from the rows' units: times 2^-e, exact.
+    row = lambda x: jnp.swapaxes(x, 1, 2)[..., None]  # [B, T', N, 1].
+    dq = jnp.where(row(finite),
+                   jnp.ldexp(dq_sum.astype(jnp.float32), -row(exponents)),
+                   jnp.nan) * spec.scale
+  else:
+    dq = dq_sum * spec.scale
+  dq = dq.astype(dtype)
   return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]

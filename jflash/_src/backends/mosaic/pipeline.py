@@ -199,13 +199,16 @@ def load_ids(ids: tuple, batch, start, rows: int, index, barrier):
 
 def query_loader(q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem,
                  do_smem, delta_smem, q_ready, do_ready, *, batch,
-                 block_q: int, ids: tuple | None = None) -> Callable:
+                 block_q: int, ids: tuple | None = None,
+                 row_scales: tuple | None = None) -> Callable:
   """load(head, q_start, index): the backward's query-side tiles.
 
   Q with its lse complete `q_ready[index]`, dO with its delta
   `do_ready[index]` (two copies each: barriers of two arrivals). With
   segments (ids: as `key_value_loader`'s, for the queries) the rows' ids
-  come with Q (three arrivals).
+  come with Q (three arrivals). row_scales: (ref [B, N, T'], ring
+  [stages, block_q]) of a float32 per query row that comes with dO (three
+  arrivals): the dK/dV kernel's fixed-point dQ factors.
 
   The CPU masking model (tests/mosaic_model.py) restates which rows
   this loads (block_q rows at q_start, of Q, dO, lse, delta and ids).
@@ -224,6 +227,10 @@ def query_loader(q_ref, lse_ref, do_ref, delta_ref, q_smem, lse_smem,
                             do_ready.at[index])
     plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[index],
                             do_ready.at[index])
+    if row_scales is not None:
+      scales_ref, scales_smem = row_scales
+      plgpu.copy_gmem_to_smem(scales_ref.at[stats], scales_smem.at[index],
+                              do_ready.at[index])
 
   return load
 
@@ -668,7 +675,8 @@ class KernelInputs:
   the order of the kernels' flattened inputs, which fixes the order of the
   refs in the kernels' jaxprs: forward q, k, v, q_lengths, kv_lengths,
   sinks, segments; dQ and dK/dV q, k, v, do, lse, delta, q_lengths,
-  kv_lengths, segments (and dq_sum for dK/dV with atomic_dq).
+  kv_lengths, segments (and dq_sum, dq_factors for dK/dV with
+  atomic_dq).
 
   Attributes:
     q: [B, T', N, H], T' the query length padded to SEQ_ALIGN.
@@ -680,8 +688,11 @@ class KernelInputs:
       without lengths).
     sinks: float32 [B, N] natural-log sink logits (forward).
     segments: the kernel's `SegmentInputs` (segment_inputs), or None.
-    dq_sum: float32 [B, T', N, H], zeros, that the dK/dV kernel adds each
-      tile's dQ / scale into (atomic_dq; a `pl.run_state` ref).
+    dq_sum: [B, T', N, H], zeros, that the dK/dV kernel adds each tile's
+      dQ / scale into (atomic_dq; a `pl.run_state` ref): int32 fixed point
+      (the row's `dq_factors` units), or float32.
+    dq_factors: with an int32 dq_sum, float32 [B, N, T']: per query row
+      the power of two that turns its dQ / scale into dq_sum's units.
     fp8_scales: the FP8 forward's float32 [B, K, 2]: per (batch, kv head)
       the logit scale (natural units, q and k descales folded in) and the
       v descale; None for 16-bit inputs.
@@ -698,6 +709,7 @@ class KernelInputs:
   sinks: Any = None
   segments: SegmentInputs | None = None
   dq_sum: Any = None
+  dq_factors: Any = None
   fp8_scales: Any = None
 
   def replace(self, **changes) -> KernelInputs:
