@@ -77,9 +77,14 @@ from typing import Any
 
 import jax
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import vector
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 
 from jflash._src import numerics
 from jflash._src import sharding
@@ -211,6 +216,35 @@ def _accumulated(acc, lhs, rhs):
     plgpu.wgmma(acc_ref, lhs, rhs)
 
   return pl.run_state(product)(plgpu.ACC.init(acc))
+
+
+def _to_fixed_point(array):
+  """A float32 WGMMA-layout array rounded to the nearest int32, one
+  `cvt.rni` per element. (`astype` truncates and first clamps to int32's
+  range, three instructions more; the caller's bound keeps |array| under
+  2^31.)"""
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(array.shape, jnp.int32,
+                                         plgpu.Layout.WGMMA))
+  def convert(ctx, values):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    registers = np.empty_like(values.registers)
+    for index, register in np.ndenumerate(values.registers):
+      (width,) = ir.VectorType(register.type).shape
+      rounded = [mgpu_utils.inline_ptx(
+          "cvt.rni.s32.f32 $0, $1;",
+          vector.extract(register, dynamic_position=[],
+                         static_position=[i]),
+          result_types=i32) for i in range(width)]
+      registers[index] = vector.from_elements(
+          ir.VectorType.get((width,), i32), rounded)
+    return mgpu.FragmentedArray(_registers=registers, _layout=values.layout,
+                                _is_signed=True)
+
+  return convert(array)
 
 
 def _for_each_compute_warpgroup(wg, chunks: int, consumer):
@@ -855,9 +889,8 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
         dq = pl.run_scoped(product, plgpu.ACC((DQ_PIECE, DQ_PIECE),
                                               jnp.float32))
         if refs.dq_factors is not None:
-          # To fixed point, rounded to nearest (|dq| < 2^31 by the factors'
-          # bound, `dq_fixed_point_factors`).
-          dq = jnp.where(dq >= 0.0, dq + 0.5, dq - 0.5).astype(jnp.int32)
+          # |dq| < 2^31 by the factors' bound (`dq_fixed_point_exponents`).
+          dq = _to_fixed_point(dq)
         # This piece's reduce-add of the step before (len(pieces) copies
         # ago) must have read its staging tile.
         plgpu.wait_smem_to_gmem(len(pieces) - 1, wait_read_only=True)
