@@ -237,13 +237,13 @@ class TrainingLaunchTest(parameterized.TestCase):
       self.assertLessEqual(sizes.backward_smem_bytes(head_dim, 2),
                            mosaic_config.SMEM_BUDGET_BYTES)
 
-  def test_mosaic_atomic_dq_only_without_determinism(self):
+  def test_mosaic_atomic_dq_chosen_only_without_determinism(self):
     # deterministic_grads=False gives 16-bit head-dim-64 calls over >= 4096
     # queries and keys without GQA atomic_dq on their default tiles
     # (config.nondeterministic_tiles), which fit; shorter ones, GQA, head
     # dim 128 (slower with it), FP8 and deterministic calls keep two
-    # backward kernels; tiles asking for atomic_dq in a deterministic call
-    # are a ValueError before any kernel runs.
+    # backward kernels; tiles asking for atomic_dq are taken in both kinds
+    # of call (deterministic ones add dQ in fixed point).
     def spec_of(head_dim, deterministic, length=4096, kv_heads=2):
       q = jnp.zeros((1, length, 2, head_dim), jnp.bfloat16)
       kv = jnp.zeros((1, length, kv_heads, head_dim), jnp.bfloat16)
@@ -265,11 +265,10 @@ class TrainingLaunchTest(parameterized.TestCase):
         mosaic_config.default_fp8_block_sizes(64), fp8).atomic_dq)
     atomic = dataclasses.replace(mosaic_config.default_block_sizes(128),
                                  atomic_dq=True)
-    with self.assertRaisesRegex(ValueError, "deterministic_grads=False"):
-      mosaic_config.MosaicConfig.for_call(spec_of(128, True),
-                                          block_sizes=atomic)
-    self.assertTrue(mosaic_config.MosaicConfig.for_call(
-        spec_of(128, False), block_sizes=atomic).block_sizes.atomic_dq)
+    for deterministic in (True, False):
+      self.assertTrue(mosaic_config.MosaicConfig.for_call(
+          spec_of(128, deterministic), block_sizes=atomic
+      ).block_sizes.atomic_dq)
 
   def test_mosaic_register_splits_fit(self):
     # Every Mosaic kernel runs two compute warpgroups and one producer

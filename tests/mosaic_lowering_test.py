@@ -147,22 +147,25 @@ class MosaicLoweringTest(parameterized.TestCase):
       # The opt-in 5-product backward (dQ by reduce-adds from the dK/dV
       # kernel): its dQ pieces (`config.atomic_dq_pieces`) by columns at
       # head dim 128, by rows at 64 with its default 128-row query tiles,
-      # one warpgroup's alone at 64 x 64.
+      # one warpgroup's alone at 64 x 64; int32 fixed point in
+      # deterministic calls, float32 with deterministic_grads=False.
       ("d128_gqa_causal_segments", (2, 200, 300, 4, 2, 128),
-       dict(is_causal=True, has_segments=True), None, {}),
+       dict(is_causal=True, has_segments=True), None, {}, True),
       ("d64_lengths_window_soft_cap", (2, 256, 320, 2, 2, 64),
-       dict(is_causal=True, has_lengths=True, window=(100, 0)), 20.0, {}),
+       dict(is_causal=True, has_lengths=True, window=(100, 0)), 20.0, {},
+       True),
       ("d64_one_piece", (1, 192, 130, 2, 1, 64), {}, None,
-       dict(block_q_dkv=64)),
+       dict(block_q_dkv=64), False),
   )
   def test_atomic_dq_lowers_for_cuda(self, shape, mask_options, soft_cap,
-                                     tiles):
+                                     tiles, deterministic):
     head_dim = shape[-1]
     sizes = dataclasses.replace(
         mosaic_config.default_block_sizes(head_dim), atomic_dq=True,
         **tiles)
     self._check_lowering("atomic_dq", shape, "bfloat16", mask_options,
-                         soft_cap, block_sizes=sizes, deterministic_grads=False)
+                         soft_cap, block_sizes=sizes,
+                         deterministic_grads=deterministic)
 
   def test_fixed_point_exponents_bound_every_partial_sum(self):
     # dQ's int32 fixed point (atomic_dq): against dense float32 dS and

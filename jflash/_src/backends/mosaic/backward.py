@@ -112,13 +112,15 @@ PRODUCER = COMPUTE_WARPGROUPS
 # default kernels lost 0-4% with it (RECORD 2026-11-26, "the atomic dK/dV
 # kernel's spills").
 ATOMIC_DQ_REGISTERS = (240, 24)
-# atomic_dq: dQ is added up in int32 fixed point (integer adds are exact,
-# so the sum is the same in any order: bitwise deterministic), each query
-# row in units of 2^-DQ_FIXED_POINT_BITS times a power of two that bounds
-# its |dQ| / scale (`dq_fixed_point_factors`); False: float32 reduce-adds,
-# whose order (and so dQ's last bits) varies from run to run. Read when a
-# call is traced.
-ATOMIC_DQ_FIXED_POINT = True
+# atomic_dq in a call with deterministic gradients: dQ is added up in
+# int32 fixed point (integer adds are exact, so the sum is the same in any
+# order: bitwise deterministic), each query row in units of 2^-e, with
+# 2^e times a bound on its |dQ| / scale under 2^DQ_FIXED_POINT_BITS
+# (`dq_fixed_point_exponents`). With deterministic_grads=False: float32
+# reduce-adds, whose order (and so dQ's last bits) varies between runs;
+# 5-14% faster (H100, 2026-11-26, RECORD "dQ's reduce-adds in int32
+# fixed point": the conversion and the scaling sit on each warpgroup's
+# serial path).
 DQ_FIXED_POINT_BITS = 30
 
 
@@ -1194,7 +1196,7 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
       **hand_over_scratch(block_q, block_kv),
   )
   atomic_dq = block_sizes.atomic_dq
-  fixed_point = atomic_dq and ATOMIC_DQ_FIXED_POINT
+  fixed_point = atomic_dq and spec.deterministic_grads
   operand_arrays = jax.tree.leaves(inputs)
   if not atomic_dq:
     dq = pipeline.launch(
@@ -1273,7 +1275,9 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
                                                  group)
     # A row whose bound is not finite (inf or nan in its inputs) adds
     # nothing and comes out nan.
-    factors = jnp.where(finite, jnp.ldexp(jnp.float32(1), exponents), 0.0)
+    one = jnp.float32(1)
+    factors = jnp.where(finite, jnp.ldexp(one, exponents), 0.0)
+    units = jnp.where(finite, jnp.ldexp(one, -exponents), jnp.nan)
 
   def run(refs):
     dq_sum, dk, dv = refs
@@ -1284,11 +1288,9 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
       jnp.zeros(query.shape, dq_sum_dtype), jnp.zeros(key.shape, dtype),
       jnp.zeros(key.shape, dtype)))
   if fixed_point:
-    # Back from the rows' units: times 2^-e, exact.
-    row = lambda x: jnp.swapaxes(x, 1, 2)[..., None]  # [B, T', N, 1].
-    dq = jnp.where(row(finite),
-                   jnp.ldexp(dq_sum.astype(jnp.float32), -row(exponents)),
-                   jnp.nan) * spec.scale
+    # Back from the rows' units (times 2^-e: exact).
+    row_units = jnp.swapaxes(units, 1, 2)[..., None]  # [B, T', N, 1].
+    dq = dq_sum.astype(jnp.float32) * row_units * spec.scale
   else:
     dq = dq_sum * spec.scale
   dq = dq.astype(dtype)

@@ -46,12 +46,16 @@ class MosaicBlockSizes:
     backward_stages: tiles in flight in both backward rings, >= 2.
     atomic_dq: opt-in, head dims <= 128: one backward kernel instead of two.
       The dK/dV kernel also computes dQ (dS Q-tile by K) and adds it into a
-      float32 buffer with TMA reduce-adds, so the dQ kernel's recomputation
-      of S and dP is saved (5 matrix products instead of 7). The order of
-      those additions varies between runs: dQ is NOT bitwise
-      deterministic with it (the default is), so it needs
-      `flash_attention(..., deterministic_grads=False)`, which also turns
-      it on by itself where it is faster (`nondeterministic_tiles`).
+      buffer with TMA reduce-adds, so the dQ kernel's recomputation of S
+      and dP is saved (5 matrix products instead of 7). With deterministic
+      gradients (the default) the adds are int32 fixed point, exact in
+      any order: dQ is bitwise the same run after run (scaled per query
+      row by a power of two from a bound, 30 bits of it per row:
+      `backward.dq_fixed_point_exponents`). With
+      `flash_attention(..., deterministic_grads=False)` they are float32
+      (5-14% faster, dQ's last bits vary), and that option also turns
+      atomic_dq on by itself where it is faster than the default backward
+      (`nondeterministic_tiles`).
   """
 
   block_q: int = 64
@@ -390,19 +394,12 @@ class MosaicConfig:
     (`nondeterministic_tiles`).
 
     Raises:
-      ValueError: if the tiles exceed Hopper's shared memory, or ask for
-        atomic_dq while the call asks for deterministic gradients.
+      ValueError: if the tiles exceed Hopper's shared memory.
       NotImplementedError: for atomic_dq at a head dim over 128.
     """
     if block_sizes is None:
       block_sizes = nondeterministic_tiles(
           cache.tuned(spec, "mosaic", MosaicBlockSizes)
           or default_tiles(spec), spec)
-    elif block_sizes.atomic_dq and spec.deterministic_grads:
-      raise ValueError(
-          "block_sizes.atomic_dq=True adds dQ up in an order that varies "
-          "between runs; pass deterministic_grads=False with it "
-          "(flash_attention's gradients are bitwise deterministic by "
-          "default).")
     check_fits(block_sizes, spec)
     return cls(block_sizes=block_sizes)
