@@ -22,33 +22,15 @@ process, whose compile is a cache read and whose lowering still runs.
 import argparse
 import os
 import re
-import sys
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks import deviceless
 from benchmarks import run as bench
 
 IMPLS = ("mosaic", "triton", "cudnn")
-
-
-def _capturing_stdout(fn):
-  """fn()'s result and what was written to file descriptor 1 meanwhile
-  (C++ code prints there, past Python's sys.stdout)."""
-  sys.stdout.flush()
-  saved = os.dup(1)
-  with tempfile.TemporaryFile() as tmp:
-    os.dup2(tmp.fileno(), 1)
-    try:
-      result = fn()
-    finally:
-      sys.stdout.flush()
-      os.dup2(saved, 1)
-      os.close(saved)
-    tmp.seek(0)
-    return result, tmp.read().decode(errors="replace")
 
 
 def _ptxas_seconds(text: str) -> list[float]:
@@ -93,7 +75,7 @@ def main(argv=None):
             lowered = step.trace(q, k, v, ct).lower()
             lowered_s = time.perf_counter() - start
             start = time.perf_counter()
-            _, printed = _capturing_stdout(lowered.compile)
+            _, printed = deviceless.capture_stdout(lowered.compile)
             compile_s = time.perf_counter() - start
             ptxas = ""
             if args.ptxas:

@@ -196,9 +196,33 @@ class CompileTimeTest(absltest.TestCase):
                   b"ptxas info    : Compile time = 12 ms\n")
       return "result"
 
-    result, text = compile_time._capturing_stdout(prints)
+    result, text = compile_time.deviceless.capture_stdout(prints)
     self.assertEqual(result, "result")
     self.assertEqual(compile_time._ptxas_seconds(text), [0.409648, 0.012])
+
+  def test_deviceless_reads_one_report_per_kernel(self):
+    # benchmarks/deviceless.py: ptxas -v's blocks, an advisory and a spill
+    # warning printed before the block they belong to.
+    deviceless = _load_benchmark("compile_time").deviceless
+    text = (
+        "ptxas info    : Compiling entry function 'a_kernel' for 'sm_90a'\n"
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Used 168 registers, used 16 barriers\n"
+        "ptxas info    : Compile time = 151.1 ms\n"
+        "ptxas info    : (C7515) Potential Performance Loss: wgmma ...\n"
+        "ptxas warning : Registers are spilled to local memory in function "
+        "'b_kernel', 148 bytes spill stores, 132 bytes spill loads\n"
+        "ptxas info    : Compiling entry function 'b_kernel' for 'sm_90a'\n"
+        "    96 bytes stack frame, 148 bytes spill stores, 132 bytes spill "
+        "loads\n"
+        "ptxas info    : Used 168 registers, used 16 barriers\n"
+        "ptxas info    : Compile time = 485.5 ms\n")
+    reports = deviceless.parse_ptxas(text)
+    self.assertEqual(
+        [(r.name, r.registers, r.spill_stores, r.ptxas_ms, r.advisories)
+         for r in reports],
+        [("a_kernel", 168, 0, 151.1, ()),
+         ("b_kernel", 168, 148, 485.5, ("C7515",))])
 
 
 if __name__ == "__main__":
