@@ -616,7 +616,8 @@ class DkvScratch:
     ds_free: with atomic_dq, per ds buffer: both warpgroups' dQ products
       have read it.
     dq_factors: with atomic_dq in fixed point, float32 [stages, block_q]:
-      the ring of the query tiles' `dq_fixed_point_factors`; else None.
+      the ring of the query rows' factors 2^e (`dq_fixed_point_exponents`);
+      else None.
   """
 
   rows: Any
@@ -1266,19 +1267,19 @@ def backward_call(operands: Operands, dout, lse2, delta, *, spec: CallSpec,
     dk, dv = launch_dkv(dkv_inputs, out_type=(kv_struct, kv_struct))
     return dq[:, :q_seq], dk[:, :kv_seq], dv[:, :kv_seq]
 
-  # The reduce-adds need a zeroed buffer that the kernel writes in place: a
-  # state ref of `run_state` (discharged here, into a buffer aliased by the
-  # kernel call), with dK and dV as refs beside it.
   factors = None
   if fixed_point:
     exponents, finite = dq_fixed_point_exponents(key, value, dout, delta,
                                                  group)
-    # A row whose bound is not finite (inf or nan in its inputs) adds
-    # nothing and comes out nan.
+    # A row whose bound is not finite (inf or nan in its inputs, or in its
+    # output through delta) adds nothing and comes out nan.
     one = jnp.float32(1)
     factors = jnp.where(finite, jnp.ldexp(one, exponents), 0.0)
     units = jnp.where(finite, jnp.ldexp(one, -exponents), jnp.nan)
 
+  # The reduce-adds need a zeroed buffer that the kernel writes in place: a
+  # state ref of `run_state` (discharged here, into a buffer aliased by the
+  # kernel call), with dK and dV as refs beside it.
   def run(refs):
     dq_sum, dk, dv = refs
     launch_dkv(dkv_inputs.replace(dq_sum=dq_sum, dq_factors=factors),
