@@ -25,13 +25,16 @@ on its "consumed" barrier.
   registers as the left operands of dV += p^T dO and dK += dS^T Q. The GQA
   group is summed in the fp32 accumulators: each dK/dV element is written
   once, no atomics, deterministic.
-- atomic_dq (`MosaicBlockSizes`; only with `flash_attention(...,
-  deterministic_grads=False)`, head dims <= 128): no dQ kernel. The dK/dV
-  kernel also forms dQ = dS K from both row groups' dS^T, shared through
-  shared memory one step late, in 64 x 64 pieces dealt to the two
-  warpgroups, and adds them into a zeroed float32 buffer with TMA
-  reduce-adds (`add_query_gradient`): 5 products per tile pair instead of
-  7, dQ's additions in a varying order (dK and dV stay bitwise the same).
+- atomic_dq (`MosaicBlockSizes`, head dims <= 128): no dQ kernel. The
+  dK/dV kernel also forms dQ = dS K from both row groups' dS^T, shared
+  through shared memory one step late, in 64 x 64 pieces dealt to the two
+  warpgroups, and adds them into a zeroed buffer with TMA reduce-adds
+  (`add_query_gradient`): 5 products per tile pair instead of 7. In a
+  deterministic call the buffer is int32 fixed point (per query row a
+  power of two from a bound, `dq_fixed_point_exponents`): integer adds are
+  exact, so dQ is bitwise the same in any order. With
+  `deterministic_grads=False` it is float32 and the additions' varying
+  order moves dQ's last bits (dK and dV stay bitwise the same).
 
 Warpgroup roles (`config.backward_warpgroup_split`): with head dim <= 128
 the two compute warpgroups own one row tile each (2 * block rows per
