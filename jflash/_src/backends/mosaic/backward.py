@@ -777,9 +777,10 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     probabilities_of = transposed_probabilities(row_group, k_start, k_tile)
 
     def tile_gradients(slot, q_tile_index, kind: str, dv):
-      """(dV + P^T dO, dS^T in the input dtype) of query tile `slot`; in
-      fixed point also dS^T times the query rows' factors, for the dQ
-      products (a power of two: the same rounding as dS^T's)."""
+      """(dV + P^T dO, dS^T in the input dtype, dS^T for the dQ products)
+      of query tile `slot`: the last is dS^T itself, or in fixed point dS^T
+      times the query rows' factors (a power of two: the same rounding as
+      dS^T's)."""
       do_tile = scratch.do.at[slot]
       probs, capped = probabilities_of(slot, q_tile_index, kind)
 
@@ -799,7 +800,8 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       ds_t = _score_gradient(probs, capped, dp_t,
                              lax.broadcast_in_dim(delta, tile_shape, [1]))
       if refs.dq_factors is None:
-        return dv, ds_t.astype(dtype)
+        ds = ds_t.astype(dtype)
+        return dv, ds, ds
       factors = plgpu.load(scratch.dq_factors.at[slot],
                            layout=column_layout)
       return dv, ds_t.astype(dtype), (
@@ -810,7 +812,7 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       slot = query_tile_slot(q_tile_index, head_step, kind)
       if slot is None:
         return carry
-      dv, ds_t = tile_gradients(slot, q_tile_index, kind, dv)
+      dv, ds_t, _ = tile_gradients(slot, q_tile_index, kind, dv)
       dk = _accumulated(dk, ds_t,
                         _columns(scratch.q.at[slot], chunk, width, chunks))
       plgpu.barrier_arrive(scratch.consumed.at[slot])
@@ -829,9 +831,6 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       if kind == "skip":
         plgpu.barrier_wait(scratch.do_ready.at[slot])
         ds_t = plgpu.layout_cast(jnp.zeros(tile_shape, dtype), wgmma_layout)
-        ds_for_dq = ds_t
-      elif refs.dq_factors is None:
-        dv, ds_t = tile_gradients(slot, q_tile_index, kind, dv)
         ds_for_dq = ds_t
       else:
         dv, ds_t, ds_for_dq = tile_gradients(slot, q_tile_index, kind, dv)
@@ -1076,9 +1075,10 @@ def dq_fixed_point_exponents(key, value, dout, delta, group: int):
     group: query heads per kv head.
   """
   f32 = jnp.float32
-  k_max = jnp.max(jnp.abs(key.astype(f32)), axis=(1, 3))  # [B, K]
-  v_norm = jnp.sqrt(jnp.max(jnp.sum(jnp.square(value.astype(f32)), axis=3),
-                            axis=1))  # [B, K]
+  k_abs = jnp.abs(key.astype(f32))
+  v_squares = jnp.sum(jnp.square(value.astype(f32)), axis=3)  # [B, S', K]
+  k_max = jnp.max(k_abs, axis=(1, 3))  # [B, K]
+  v_norm = jnp.sqrt(jnp.max(v_squares, axis=1))  # [B, K]
   do_norm = jnp.sqrt(jnp.sum(jnp.square(dout.astype(f32)), axis=3))
   do_norm = jnp.swapaxes(do_norm, 1, 2)  # [B, N, T']
   per_head = lambda x: jnp.repeat(x, group, axis=1)[:, :, None]
@@ -1087,8 +1087,8 @@ def dq_fixed_point_exponents(key, value, dout, delta, group: int):
   exponent = jnp.minimum(DQ_FIXED_POINT_BITS - jnp.frexp(bound)[1],
                          100 - jnp.frexp(ds_bound)[1])
   # Maxima may drop nans (XLA's fast min/max): sums keep them.
-  kv_finite = jnp.isfinite(jnp.sum(jnp.abs(key.astype(f32))
-                                   + jnp.abs(value.astype(f32)), axis=(1, 3)))
+  kv_finite = jnp.isfinite(jnp.sum(k_abs, axis=(1, 3))
+                           + jnp.sum(v_squares, axis=1))
   return (jnp.clip(exponent, -120, 120).astype(jnp.int32),
           jnp.isfinite(bound) & per_head(kv_finite))
 

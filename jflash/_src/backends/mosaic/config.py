@@ -164,11 +164,13 @@ class MosaicBlockSizes:
       dkv += self.block_kv_dkv * self.block_q_dkv * 4
     if self.atomic_dq:
       # Two buffers of each row group's dS^T (16-bit); per warpgroup the
-      # float32 staging of its dQ pieces.
+      # 32-bit staging of its dQ pieces; in fixed point (deterministic
+      # calls) the ring of the query rows' float32 factors.
       pieces = max(map(len, atomic_dq_pieces(self.block_q_dkv, head_dim)))
       dkv += (2 * row_groups * self.block_kv_dkv * self.block_q_dkv
               * itemsize
-              + BWD_COMPUTE_WARPGROUPS * pieces * DQ_PIECE * DQ_PIECE * 4)
+              + BWD_COMPUTE_WARPGROUPS * pieces * DQ_PIECE * DQ_PIECE * 4
+              + stages * self.block_q_dkv * 4)
     return max(dq, dkv)
 
   def check_fits(self, head_dim: int, itemsize: int, *,
