@@ -317,6 +317,25 @@ class MosaicAtomicDqTest(parameterized.TestCase):
                                jax.tree.leaves(again)):
         np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
 
+  @parameterized.named_parameters(
+      ("d128_one_step", 128, 2, 2), ("d128_two_steps", 128, 4, 2),
+      ("d64_one_step", 64, 2, 2), ("d64_two_steps", 64, 4, 2))
+  def test_blocks_of_one_or_two_steps(self, head_dim, num_heads,
+                                      num_kv_heads):
+    """A single query tile: each dK/dV block walks one step (or one per
+    query head of its GQA group), so its dQ pieces are all added after the
+    loop (the pieces run up to two steps late, ATOMIC_DQ_UNDER_SCORES)."""
+    q, k, v, dout = test_util.random_inputs(
+        32, batch=2, q_len=50, kv_len=430, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="bfloat16")
+    sizes = dataclasses.replace(
+        mosaic_config.default_block_sizes(head_dim), atomic_dq=True)
+    fn = functools.partial(jflash.flash_attention, implementation="mosaic",
+                           block_sizes=sizes)
+    step = jax.jit(functools.partial(test_util.value_and_grads, fn))
+    results = jax.block_until_ready(step(q, k, v, dout))
+    test_util.assert_close_to_reference(self, results, q, k, v, dout)
+
 
 # One process's Mosaic fwd+bwd (D=128, causal with segments, bfloat16):
 # saves the output and the three gradients to argv[1].
