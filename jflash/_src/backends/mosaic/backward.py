@@ -959,7 +959,9 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
                                                   - block.tiles_lo)
       slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
       plgpu.barrier_wait(scratch.q_ready.at[slot])
-      buffer, q_start, head = query_gradient_rows(index - 2)
+      # (index - 2's buffer, of the same parity; its rows for index >= 2.)
+      buffer = lax.rem(index, 2)
+      _, q_start, head = query_gradient_rows(index - 2)
       ((rows, columns),) = own_pieces()
 
       def issue(acc_ref):
