@@ -323,8 +323,8 @@ class MosaicAtomicDqTest(parameterized.TestCase):
   def test_blocks_of_one_or_two_steps(self, head_dim, num_heads,
                                       num_kv_heads):
     """A single query tile: each dK/dV block walks one step (or one per
-    query head of its GQA group), so its dQ pieces are all added after the
-    loop (the pieces run up to two steps late, ATOMIC_DQ_UNDER_SCORES)."""
+    query head of its GQA group), the edge of the dQ pieces' one-step-late
+    order (the last step's added after the loop)."""
     q, k, v, dout = test_util.random_inputs(
         32, batch=2, q_len=50, kv_len=430, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="bfloat16")

@@ -125,12 +125,6 @@ ATOMIC_DQ_REGISTERS = (240, 24)
 # fixed point": the conversion and the scaling sit on each warpgroup's
 # serial path).
 DQ_FIXED_POINT_BITS = 30
-# atomic_dq with one dQ piece per warpgroup (the default tiles): each step
-# starts by issuing the dQ piece product of two steps before and its S^T
-# product, then converts, stages and reduce-adds the piece while S^T's
-# product runs (`wgmma_accumulator_load(wait_n=1)`), instead of doing it
-# all on the warpgroup's serial path at the end of the step after.
-ATOMIC_DQ_UNDER_SCORES = True
 
 
 def _columns(ref, chunk: int, width: int, chunks: int):
@@ -740,28 +734,14 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
                                 tile_shape, 1),
               pipeline.ids_tile(key_segments, tile_shape, 0))
 
-    def probabilities(slot, q_tile_index, kind: str, under_scores=None):
-      """under_scores: None, or (issue, finish) of work whose product is
-      issued before S^T's (issue(acc_ref)) and whose result is finished
-      while S^T's product runs (finish(value))."""
+    def probabilities(slot, q_tile_index, kind: str):
       q_start = pipeline.tile_start(q_tile_index, block_q)
 
       def scores(acc_ref):
         plgpu.wgmma(acc_ref, k_tile, scratch.q.at[slot].T)
         return acc_ref[...]
 
-      def scores_over(acc_ref, other_ref):
-        issue, finish = under_scores
-        issue(other_ref)
-        plgpu.wgmma(acc_ref, k_tile, scratch.q.at[slot].T)
-        finish(plgpu.wgmma_accumulator_load(other_ref, wait_n=1))
-        return acc_ref[...]
-
-      if under_scores is None:
-        s_t = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
-      else:
-        s_t = pl.run_scoped(scores_over, plgpu.ACC(tile_shape, jnp.float32),
-                            plgpu.ACC((DQ_PIECE, DQ_PIECE), jnp.float32))
+      s_t = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))
       lse = plgpu.load(scratch.lse.at[slot], layout=column_layout)
       lse = pipeline.valid_lse(lse, q_start + query_vector, block.q_len)
       logits, capped = numerics.logits_base2(s_t, scale=scale,
@@ -795,32 +775,14 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     k_tile, v_tile = k_smem.at[row_group], v_smem.at[row_group]
     plgpu.barrier_wait(scratch.kv_ready.at[row_group])
     probabilities_of = transposed_probabilities(row_group, k_start, k_tile)
-    # atomic_dq: the dQ pieces of each warpgroup.
-    per_warpgroup = atomic_dq_pieces(block_q, head_dim)
-    piece_slices = lambda pieces: [
-        (pl.ds(row, DQ_PIECE), pl.ds(column, DQ_PIECE))
-        for row, column in pieces]
 
-    def own_pieces():
-      """This warpgroup's pieces where both have as many: piece j's offsets
-      picked by the (traced) row group, one copy of the code (two
-      warpgroups: row_group is 0 or 1)."""
-      pick = lambda a, b: a if a == b else a + row_group * (b - a)
-      return piece_slices([(pick(r0, r1), pick(c0, c1))
-                           for (r0, c0), (r1, c1) in zip(*per_warpgroup)])
-
-    pieces_under_scores = (ATOMIC_DQ_UNDER_SCORES
-                           and [len(p) for p in per_warpgroup] == [1, 1])
-
-    def tile_gradients(slot, q_tile_index, kind: str, dv,
-                       under_scores=None):
+    def tile_gradients(slot, q_tile_index, kind: str, dv):
       """(dV + P^T dO, dS^T in the input dtype, dS^T for the dQ products)
       of query tile `slot`: the last is dS^T itself, or in fixed point dS^T
       times the query rows' factors (a power of two: the same rounding as
-      dS^T's). under_scores: as `probabilities`'."""
+      dS^T's)."""
       do_tile = scratch.do.at[slot]
-      probs, capped = probabilities_of(slot, q_tile_index, kind,
-                                       under_scores)
+      probs, capped = probabilities_of(slot, q_tile_index, kind)
 
       plgpu.barrier_wait(scratch.do_ready.at[slot])
 
@@ -885,14 +847,6 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       pl.when(index > 0)(lambda: add_query_gradient(index - 1))
       return dk, dv
 
-    def query_gradient_rows(index):
-      """(dS^T buffer, first query row, query head) of step `index`'s dQ."""
-      buffer = lax.rem(index, 2)
-      head_step = lax.div(index, block.tiles_per_head)
-      q_start = pipeline.tile_start(
-          block.tiles_lo + lax.rem(index, block.tiles_per_head), block_q)
-      return buffer, q_start, kv_head * group + head_step
-
     def add_query_gradient(index):
       """dq_sum[q rows, head] += dS K of step `index` (atomic_dq), over the
       block's keys, once both row groups' dS^T of that step are in shared
@@ -901,121 +855,63 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       of meeting at every step. The [block_q, H] dQ tile is cut into
       64 x 64 pieces (`config.atomic_dq_pieces`) split between the
       warpgroups; each piece sums both row groups' keys in its product and
-      goes out through a staging tile and one TMA reduce-add: one
+      goes out through a float32 staging tile and one TMA reduce-add: one
       reduce-add per dQ element per block of keys."""
-      buffer, q_start, head = query_gradient_rows(index)
+      buffer = lax.rem(index, 2)
+      head_step = lax.div(index, block.tiles_per_head)
+      q_start = pipeline.tile_start(
+          block.tiles_lo + lax.rem(index, block.tiles_per_head), block_q)
+      head = kv_head * group + head_step
+      per_warpgroup = atomic_dq_pieces(block_q, head_dim)
+      slices = lambda pieces: [(pl.ds(row, DQ_PIECE), pl.ds(column, DQ_PIECE))
+                               for row, column in pieces]
       if len(set(map(len, per_warpgroup))) == 1:
-        add_pieces(row_group, own_pieces(), buffer, q_start, head)
+        # As many pieces each: piece j's offsets picked by the (traced) row
+        # group, one copy of the code (two warpgroups: row_group is 0 or 1).
+        pick = lambda a, b: a if a == b else a + row_group * (b - a)
+        pieces = [(pick(r0, r1), pick(c0, c1))
+                  for (r0, c0), (r1, c1) in zip(*per_warpgroup)]
+        add_pieces(row_group, slices(pieces), buffer, q_start, head)
       else:
         for warpgroup, pieces in enumerate(per_warpgroup):
           if pieces:
             pl.when(row_group == warpgroup)(functools.partial(
-                add_pieces, warpgroup, piece_slices(pieces), buffer,
-                q_start, head))
+                add_pieces, warpgroup, slices(pieces), buffer, q_start,
+                head))
       plgpu.barrier_arrive(scratch.ds_free.at[buffer])
-
-    def piece_product(acc_ref, buffer, rows, columns):
-      """acc_ref += the dQ piece (rows, columns) of the step whose dS^T is
-      in `buffer`, over both row groups' keys."""
-      for group_keys in range(row_groups):
-        ds_tile = scratch.ds.at[buffer, group_keys].at[:, rows]
-        plgpu.wgmma(acc_ref, ds_tile.T, k_smem.at[group_keys].at[:, columns])
-
-    def add_piece(dq, warpgroup, piece, count, rows, columns, q_start, head):
-      """Stages a float32 dQ piece (in fixed point as an int32) and
-      reduce-adds it into dq_sum; `count` pieces per warpgroup a step."""
-      if refs.dq_factors is not None:
-        # |dq| < 2^31 by the factors' bound (`dq_fixed_point_exponents`).
-        dq = _to_fixed_point(dq)
-      # This piece's reduce-add of the step before (count copies ago) must
-      # have read its staging tile.
-      plgpu.wait_smem_to_gmem(count - 1, wait_read_only=True)
-      dq_tile = scratch.dq_stage.at[warpgroup, piece]
-      dq_tile[...] = dq
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          dq_tile, refs.dq_sum.at[batch, pl.ds(q_start + rows.start,
-                                               DQ_PIECE), head, columns],
-          reduction_op="add")
 
     def add_pieces(warpgroup, pieces, buffer, q_start, head):
       plgpu.barrier_wait(scratch.ds_ready.at[buffer])
       for piece, (rows, columns) in enumerate(pieces):
-        dq = pl.run_scoped(
-            lambda acc_ref: (piece_product(acc_ref, buffer, rows, columns),
-                             acc_ref[...])[1],
-            plgpu.ACC((DQ_PIECE, DQ_PIECE), jnp.float32))
-        add_piece(dq, warpgroup, piece, len(pieces), rows, columns, q_start,
-                  head)
 
-    def overlapped_atomic_step(q_tile_index, carry, *, head_step, kind: str):
-      """`atomic_step` with one dQ piece per warpgroup, two steps late
-      (ATOMIC_DQ_UNDER_SCORES): the step issues the piece's product of
-      step index - 2 and then its own S^T product, and stages and
-      reduce-adds the piece while S^T's runs. The dS^T buffer it reads is
-      the one it then writes (index mod 2); steps -2 and -1 read zeros."""
-      dk, dv = carry
-      index = head_step * block.tiles_per_head + (q_tile_index
-                                                  - block.tiles_lo)
-      slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
-      plgpu.barrier_wait(scratch.q_ready.at[slot])
-      # (index - 2's buffer, of the same parity; its rows for index >= 2.)
-      buffer = lax.rem(index, 2)
-      _, q_start, head = query_gradient_rows(index - 2)
-      ((rows, columns),) = own_pieces()
+        def product(acc_ref):
+          for group_keys in range(row_groups):
+            ds_tile = scratch.ds.at[buffer, group_keys].at[:, rows]
+            plgpu.wgmma(acc_ref, ds_tile.T,
+                        k_smem.at[group_keys].at[:, columns])
+          return acc_ref[...]
 
-      def issue(acc_ref):
-        piece_product(acc_ref, buffer, rows, columns)
-
-      def finish(dq):
-        pl.when(index >= 2)(lambda: add_piece(
-            dq, row_group, 0, 1, rows, columns, q_start, head))
-        plgpu.barrier_arrive(scratch.ds_free.at[buffer])
-
-      # (Before the scope whose accumulators `issue` and S^T's take.)
-      plgpu.barrier_wait(scratch.ds_ready.at[buffer])
-      if kind == "skip":
-        plgpu.barrier_wait(scratch.do_ready.at[slot])
-
-        def piece_alone(acc_ref):
-          issue(acc_ref)
-          finish(acc_ref[...])
-
-        pl.run_scoped(piece_alone,
-                      plgpu.ACC((DQ_PIECE, DQ_PIECE), jnp.float32))
-        ds_t = plgpu.layout_cast(jnp.zeros(tile_shape, dtype), wgmma_layout)
-        ds_for_dq = ds_t
-      else:
-        dv, ds_t, ds_for_dq = tile_gradients(slot, q_tile_index, kind, dv,
-                                             under_scores=(issue, finish))
-      plgpu.barrier_wait(scratch.ds_free.at[buffer])
-      scratch.ds.at[buffer, row_group][...] = ds_for_dq
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(scratch.ds_ready.at[buffer])
-      if kind != "skip":
-        dk = _accumulated(dk, ds_t, scratch.q.at[slot])
-      plgpu.barrier_arrive(scratch.consumed.at[slot])
-      return dk, dv
+        dq = pl.run_scoped(product, plgpu.ACC((DQ_PIECE, DQ_PIECE),
+                                              jnp.float32))
+        if refs.dq_factors is not None:
+          # |dq| < 2^31 by the factors' bound (`dq_fixed_point_exponents`).
+          dq = _to_fixed_point(dq)
+        # This piece's reduce-add of the step before (len(pieces) copies
+        # ago) must have read its staging tile.
+        plgpu.wait_smem_to_gmem(len(pieces) - 1, wait_read_only=True)
+        dq_tile = scratch.dq_stage.at[warpgroup, piece]
+        dq_tile[...] = dq
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            dq_tile, refs.dq_sum.at[batch, pl.ds(q_start + rows.start,
+                                                 DQ_PIECE), head, columns],
+            reduction_op="add")
 
     runs = query_runs(k_start)
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32),
                               wgmma_layout)
     if refs.dq_sum is None:
       dk, dv = walk_query_tiles(runs, step, (zeros, zeros))
-    elif pieces_under_scores:
-      # Steps -2 and -1's dS^T: zeros in both buffers.
-      ds_zeros = plgpu.layout_cast(jnp.zeros(tile_shape, dtype), wgmma_layout)
-      for buffer in range(2):
-        scratch.ds.at[buffer, row_group][...] = ds_zeros
-      plgpu.commit_smem()
-      for buffer in range(2):
-        plgpu.barrier_arrive(scratch.ds_ready.at[buffer])
-      dk, dv = walk_query_tiles(runs, overlapped_atomic_step, (zeros, zeros))
-      # The last two steps' dQ.
-      pl.when(block.num_steps > 1)(
-          lambda: add_query_gradient(block.num_steps - 2))
-      pl.when(block.num_steps > 0)(
-          lambda: add_query_gradient(block.num_steps - 1))
     else:
       for buffer in range(2):  # Both dS^T buffers start free.
         plgpu.barrier_arrive(scratch.ds_free.at[buffer])
