@@ -223,45 +223,11 @@ def _accumulated(acc, lhs, rhs):
   return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
-# How `_to_fixed_point` rounds: "cvt", one `cvt.rni.s32.f32` an element
-# (the conversion pipe: 16 results a clock per SM); "adds", float adds of
-# magic numbers and integer adds only (6 instructions an element on the
-# FMA and integer pipes).
-DQ_FIXED_POINT_CONVERSION = "adds"
-# The magic numbers of "adds": 1.5 * 2^32 (floats in [2^32, 2^33) are
-# multiples of 2^9) and 1.5 * 2^23 (multiples of 1); the integer constant
-# (bits(1.5 * 2^32) << 9) + bits(1.5 * 2^23) modulo 2^32.
-_ROUND_HIGH, _ROUND_LOW, _ROUND_BITS = "0f4FC00000", "0f4B400000", 0xCB400000
-
-
-def _round_by_adds(value: str, result: str) -> str:
-  """PTX setting the .s32 `result` to rint(value) of an .f32 `value` with
-  |value| < 2^31, exactly, by float and integer adds: high = rint(value /
-  2^9) from the bits of value + 1.5 * 2^32; the remainder value - 2^9 high
-  (exact: |.| <= 2^8, a multiple of value's ulp), rounded by + 1.5 * 2^23;
-  result = 2^9 high + rint(remainder), the magic numbers' bits taken off
-  in one constant (mod 2^32). Ties go to even, as cvt.rni's (2^9 high is
-  even)."""
-  return (
-      "{ .reg .f32 y1, hi, r, y2; .reg .b32 b1, b2, t;\n"
-      f"add.rn.f32 y1, {value}, {_ROUND_HIGH};\n"
-      f"sub.rn.f32 hi, y1, {_ROUND_HIGH};\n"
-      f"sub.rn.f32 r, {value}, hi;\n"
-      f"add.rn.f32 y2, r, {_ROUND_LOW};\n"
-      "mov.b32 b1, y1;\n"
-      "mov.b32 b2, y2;\n"
-      "mad.lo.s32 t, b1, 512, b2;\n"
-      f"sub.s32 {result}, t, {_ROUND_BITS};\n"
-      "}")
-
-
 def _to_fixed_point(array):
-  """A float32 WGMMA-layout array rounded to the nearest int32 (ties to
-  even) as DQ_FIXED_POINT_CONVERSION says. (`astype` truncates and first
-  clamps to int32's range, three instructions more; the caller's bound
-  keeps |array| under 2^31.)"""
-  ptx = ("cvt.rni.s32.f32 $0, $1;" if DQ_FIXED_POINT_CONVERSION == "cvt"
-         else _round_by_adds("$1", "$0"))
+  """A float32 WGMMA-layout array rounded to the nearest int32, one
+  `cvt.rni` per element. (`astype` truncates and first clamps to int32's
+  range, three instructions more; the caller's bound keeps |array| under
+  2^31.)"""
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA,),
@@ -274,7 +240,7 @@ def _to_fixed_point(array):
     for index, register in np.ndenumerate(values.registers):
       (width,) = ir.VectorType(register.type).shape
       rounded = [mgpu_utils.inline_ptx(
-          ptx,
+          "cvt.rni.s32.f32 $0, $1;",
           vector.extract(register, dynamic_position=[],
                          static_position=[i]),
           result_types=i32) for i in range(width)]
