@@ -125,6 +125,9 @@ ATOMIC_DQ_REGISTERS = (240, 24)
 # fixed point": the conversion and the scaling sit on each warpgroup's
 # serial path).
 DQ_FIXED_POINT_BITS = 30
+# A/B switch (temporary): the fixed-point factors scale each dQ piece after
+# its product (True) or the stored dS^T before it (False, fc7d7d0).
+DQ_FACTORS_ON_PIECES = True
 
 
 def _columns(ref, chunk: int, width: int, chunks: int):
@@ -685,6 +688,7 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       else ATOMIC_DQ_REGISTERS)
   wgmma_layout = plgpu.Layout.WGMMA
   column_layout = plgpu.Layout.WGMMA.reduce(0)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
   # Transposed tiles: rows are keys, columns queries.
   tile_shape = (block_kv, block_q)
 
@@ -776,11 +780,29 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     plgpu.barrier_wait(scratch.kv_ready.at[row_group])
     probabilities_of = transposed_probabilities(row_group, k_start, k_tile)
 
+    def piece_rows():
+      """atomic_dq: the query rows of this warpgroup's dQ pieces (picked by
+      the traced row group where both have as many; else warpgroup 0's,
+      the only one with pieces)."""
+      per_warpgroup = atomic_dq_pieces(block_q, head_dim)
+      if len(set(map(len, per_warpgroup))) != 1:
+        return [pl.ds(row, DQ_PIECE) for row, _ in per_warpgroup[0]]
+      pick = lambda a, b: a if a == b else a + row_group * (b - a)
+      return [pl.ds(pick(r0, r1), DQ_PIECE)
+              for (r0, _), (r1, _) in zip(*per_warpgroup)]
+
+    def piece_factors(slot):
+      """In fixed point, the factors 2^e of the query rows of this
+      warpgroup's dQ pieces of query tile `slot` (row layout, one vector a
+      piece; kept until the pieces are added a step later, when the ring
+      slot may hold another tile's); else ()."""
+      if refs.dq_factors is None or not DQ_FACTORS_ON_PIECES:
+        return ()
+      return tuple(plgpu.load(scratch.dq_factors.at[slot, rows],
+                              layout=row_layout) for rows in piece_rows())
+
     def tile_gradients(slot, q_tile_index, kind: str, dv):
-      """(dV + P^T dO, dS^T in the input dtype, dS^T for the dQ products)
-      of query tile `slot`: the last is dS^T itself, or in fixed point dS^T
-      times the query rows' factors (a power of two: the same rounding as
-      dS^T's)."""
+      """(dV + P^T dO, dS^T in the input dtype) of query tile `slot`."""
       do_tile = scratch.do.at[slot]
       probs, capped = probabilities_of(slot, q_tile_index, kind)
 
@@ -799,20 +821,20 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       delta = plgpu.load(scratch.delta.at[slot], layout=column_layout)
       ds_t = _score_gradient(probs, capped, dp_t,
                              lax.broadcast_in_dim(delta, tile_shape, [1]))
-      if refs.dq_factors is None:
-        ds = ds_t.astype(dtype)
-        return dv, ds, ds
-      factors = plgpu.load(scratch.dq_factors.at[slot],
-                           layout=column_layout)
-      return dv, ds_t.astype(dtype), (
-          ds_t * lax.broadcast_in_dim(factors, tile_shape, [1])).astype(dtype)
+      if refs.dq_factors is not None and not DQ_FACTORS_ON_PIECES:
+        factors = plgpu.load(scratch.dq_factors.at[slot],
+                             layout=column_layout)
+        return dv, ds_t.astype(dtype), (
+            ds_t * lax.broadcast_in_dim(factors, tile_shape, [1])
+        ).astype(dtype)
+      return dv, ds_t.astype(dtype)
 
     def step(q_tile_index, carry, *, head_step, kind: str):
       dk, dv = carry
       slot = query_tile_slot(q_tile_index, head_step, kind)
       if slot is None:
         return carry
-      dv, ds_t, _ = tile_gradients(slot, q_tile_index, kind, dv)
+      dv, ds_t, *_ = tile_gradients(slot, q_tile_index, kind, dv)
       dk = _accumulated(dk, ds_t,
                         _columns(scratch.q.at[slot], chunk, width, chunks))
       plgpu.barrier_arrive(scratch.consumed.at[slot])
@@ -820,10 +842,10 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
 
     def atomic_step(q_tile_index, carry, *, head_step, kind: str):
       """`step` with atomic_dq: also shares the tile's dS^T and adds the
-      dQ = dS K of the step before into dq_sum (`add_query_gradient`). A
-      tile this row group skips still takes part (its dS^T zero): the
-      other row group's may not be."""
-      dk, dv = carry
+      dQ = dS K of the step before into dq_sum (`add_query_gradient`, with
+      that step's factors, carried). A tile this row group skips still
+      takes part (its dS^T zero): the other row group's may not be."""
+      dk, dv, earlier_factors = carry
       index = head_step * block.tiles_per_head + (q_tile_index
                                                   - block.tiles_lo)
       slot = pipeline.group_slot(head_step, q_tile_index, block, stages)
@@ -832,8 +854,12 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
         plgpu.barrier_wait(scratch.do_ready.at[slot])
         ds_t = plgpu.layout_cast(jnp.zeros(tile_shape, dtype), wgmma_layout)
         ds_for_dq = ds_t
+        # (Its dQ pieces are zeros: any finite factors do.)
+        factors = earlier_factors
       else:
-        dv, ds_t, ds_for_dq = tile_gradients(slot, q_tile_index, kind, dv)
+        dv, ds_t, *scaled = tile_gradients(slot, q_tile_index, kind, dv)
+        ds_for_dq = scaled[0] if scaled else ds_t
+        factors = piece_factors(slot)
       # This row group's dS^T, for both warpgroups' dQ products in the next
       # step, into the buffer both have read two steps ago.
       buffer = lax.rem(index, 2)
@@ -844,10 +870,11 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       if kind != "skip":
         dk = _accumulated(dk, ds_t, scratch.q.at[slot])
       plgpu.barrier_arrive(scratch.consumed.at[slot])
-      pl.when(index > 0)(lambda: add_query_gradient(index - 1))
-      return dk, dv
+      pl.when(index > 0)(
+          lambda: add_query_gradient(index - 1, earlier_factors))
+      return dk, dv, factors
 
-    def add_query_gradient(index):
+    def add_query_gradient(index, factors):
       """dq_sum[q rows, head] += dS K of step `index` (atomic_dq), over the
       block's keys, once both row groups' dS^T of that step are in shared
       memory. One step late, so that the two warpgroups may drift apart by
@@ -856,7 +883,9 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       64 x 64 pieces (`config.atomic_dq_pieces`) split between the
       warpgroups; each piece sums both row groups' keys in its product and
       goes out through a float32 staging tile and one TMA reduce-add: one
-      reduce-add per dQ element per block of keys."""
+      reduce-add per dQ element per block of keys. In fixed point each
+      piece is scaled by its rows' `factors` (powers of two: exact, the
+      same bits as scaling dS^T) and rounded to int32."""
       buffer = lax.rem(index, 2)
       head_step = lax.div(index, block.tiles_per_head)
       q_start = pipeline.tile_start(
@@ -871,16 +900,16 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
         pick = lambda a, b: a if a == b else a + row_group * (b - a)
         pieces = [(pick(r0, r1), pick(c0, c1))
                   for (r0, c0), (r1, c1) in zip(*per_warpgroup)]
-        add_pieces(row_group, slices(pieces), buffer, q_start, head)
+        add_pieces(row_group, slices(pieces), buffer, q_start, head, factors)
       else:
         for warpgroup, pieces in enumerate(per_warpgroup):
           if pieces:
             pl.when(row_group == warpgroup)(functools.partial(
                 add_pieces, warpgroup, slices(pieces), buffer, q_start,
-                head))
+                head, factors))
       plgpu.barrier_arrive(scratch.ds_free.at[buffer])
 
-    def add_pieces(warpgroup, pieces, buffer, q_start, head):
+    def add_pieces(warpgroup, pieces, buffer, q_start, head, factors):
       plgpu.barrier_wait(scratch.ds_ready.at[buffer])
       for piece, (rows, columns) in enumerate(pieces):
 
@@ -895,6 +924,8 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
                                               jnp.float32))
         if refs.dq_factors is not None:
           # |dq| < 2^31 by the factors' bound (`dq_fixed_point_exponents`).
+          if factors:
+            dq = dq * lax.broadcast_in_dim(factors[piece], dq.shape, [0])
           dq = _to_fixed_point(dq)
         # This piece's reduce-add of the step before (len(pieces) copies
         # ago) must have read its staging tile.
@@ -915,10 +946,15 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     else:
       for buffer in range(2):  # Both dS^T buffers start free.
         plgpu.barrier_arrive(scratch.ds_free.at[buffer])
-      dk, dv = walk_query_tiles(runs, atomic_step, (zeros, zeros))
+      no_factors = tuple(
+          plgpu.layout_cast(jnp.zeros((DQ_PIECE,), jnp.float32), row_layout)
+          for _ in (piece_rows() if refs.dq_factors is not None
+                    and DQ_FACTORS_ON_PIECES else ()))
+      dk, dv, factors = walk_query_tiles(runs, atomic_step,
+                                         (zeros, zeros, no_factors))
       # The last step's dQ.
       pl.when(block.num_steps > 0)(
-          lambda: add_query_gradient(block.num_steps - 1))
+          lambda: add_query_gradient(block.num_steps - 1, factors))
 
     if chunks > 1 or refs.dq_sum is not None:
       # The other warpgroup may still read what the gradients are written
