@@ -854,12 +854,11 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
         plgpu.barrier_wait(scratch.do_ready.at[slot])
         ds_t = plgpu.layout_cast(jnp.zeros(tile_shape, dtype), wgmma_layout)
         ds_for_dq = ds_t
-        # (Its dQ pieces are zeros: any finite factors do.)
-        factors = earlier_factors
       else:
         dv, ds_t, *scaled = tile_gradients(slot, q_tile_index, kind, dv)
         ds_for_dq = scaled[0] if scaled else ds_t
-        factors = piece_factors(slot)
+      # (Skipped tiles too: the pieces sum both row groups' keys.)
+      factors = piece_factors(slot)
       # This row group's dS^T, for both warpgroups' dQ products in the next
       # step, into the buffer both have read two steps ago.
       buffer = lax.rem(index, 2)
