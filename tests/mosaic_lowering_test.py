@@ -203,7 +203,6 @@ class MosaicLoweringTest(parameterized.TestCase):
     self.assertLess(float(jnp.max(magnitude)), 2.0 ** 30)
     dq_units = jnp.abs(jnp.sum(partial, axis=3)) * units[..., 0]
     self.assertGreater(float(jnp.min(jnp.max(dq_units, axis=-1))), 2.0 ** 12)
-    self.assertLess(float(jnp.max(jnp.abs(ds) * units[..., 0])), 2.0 ** 100)
     _, finite = mosaic_backward.dq_fixed_point_exponents(
         k.at[0, 5, 1, 0].set(jnp.nan), v, do.at[0, 7, 0, 3].set(jnp.inf),
         delta, group)
