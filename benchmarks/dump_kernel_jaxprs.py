@@ -28,7 +28,9 @@ backend's forward and backward functions (the kernel bodies included;
 traced on CPU, nothing lowered), for head dims 64/128/256 under six
 configurations that together cover the persistent forward (causal and
 not), lengths, segments (with and without lengths), windows (one- and
-two-sided), soft cap, sinks and the atomic_dq backward (head dims <= 128).
+two-sided), soft cap, sinks and the atomic_dq backward (head dims <= 128;
+float32 adds, then a deterministic call's int32 fixed point, its sections
+after the others of the configuration).
 """
 
 import argparse
@@ -165,6 +167,15 @@ def _mosaic_texts():
     texts.append(f"{label} backward\n" + str(jax.make_jaxpr(backward)(
         q, k, k, lengths, extra, jnp.ones(out.shape, out.dtype),
         jnp.ones(lse2.shape), q)))
+    if atomic_dq:
+      # The atomic dQ of a deterministic call: int32 fixed point.
+      fixed_spec = dataclasses.replace(spec, deterministic_grads=True)
+      backward = lambda *a, spec=fixed_spec, config=config: mosaic.backward(
+          spec, config, operands(*a[:5]), *a[5:], None)
+      texts.append(f"{label} fixed_point backward\n" + str(
+          jax.make_jaxpr(backward)(
+              q, k, k, lengths, extra, jnp.ones(out.shape, out.dtype),
+              jnp.ones(lse2.shape), q)))
   return texts
 
 
