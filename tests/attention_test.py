@@ -324,7 +324,10 @@ class MosaicAtomicDqTest(parameterized.TestCase):
                                       num_kv_heads):
     """A single query tile: each dK/dV block walks one step (or one per
     query head of its GQA group), the edge of the dQ pieces' one-step-late
-    order (the last step's added after the loop)."""
+    order (the last step's added after the loop). 430 keys: the last
+    block's second row group lies wholly past them and skips its tile,
+    whose dQ pieces still carry the first row group's keys (and, in fixed
+    point, need the tile's factors: a bug these cases caught)."""
     q, k, v, dout = test_util.random_inputs(
         32, batch=2, q_len=50, kv_len=430, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="bfloat16")
