@@ -777,14 +777,18 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
     plgpu.barrier_wait(scratch.kv_ready.at[row_group])
     probabilities_of = transposed_probabilities(row_group, k_start, k_tile)
 
+    # atomic_dq: each warpgroup's dQ pieces (`config.atomic_dq_pieces`).
+    # Where both have as many, piece j's offsets are picked by the (traced)
+    # row group: one copy of the code (two warpgroups: row_group is 0 or 1).
+    per_warpgroup = atomic_dq_pieces(block_q, head_dim)
+    same_count = len(set(map(len, per_warpgroup))) == 1
+    pick = lambda a, b: a if a == b else a + row_group * (b - a)
+
     def piece_rows():
-      """atomic_dq: the query rows of this warpgroup's dQ pieces (picked by
-      the traced row group where both have as many; else warpgroup 0's,
-      the only one with pieces)."""
-      per_warpgroup = atomic_dq_pieces(block_q, head_dim)
-      if len(set(map(len, per_warpgroup))) != 1:
+      """The query rows of this warpgroup's dQ pieces (where the counts
+      differ, warpgroup 0's, the only one with pieces)."""
+      if not same_count:
         return [pl.ds(row, DQ_PIECE) for row, _ in per_warpgroup[0]]
-      pick = lambda a, b: a if a == b else a + row_group * (b - a)
       return [pl.ds(pick(r0, r1), DQ_PIECE)
               for (r0, _), (r1, _) in zip(*per_warpgroup)]
 
@@ -879,13 +883,9 @@ def dkv_kernel(refs: pipeline.KernelInputs, dk_ref, dv_ref,
       q_start = pipeline.tile_start(
           block.tiles_lo + lax.rem(index, block.tiles_per_head), block_q)
       head = kv_head * group + head_step
-      per_warpgroup = atomic_dq_pieces(block_q, head_dim)
       slices = lambda pieces: [(pl.ds(row, DQ_PIECE), pl.ds(column, DQ_PIECE))
                                for row, column in pieces]
-      if len(set(map(len, per_warpgroup))) == 1:
-        # As many pieces each: piece j's offsets picked by the (traced) row
-        # group, one copy of the code (two warpgroups: row_group is 0 or 1).
-        pick = lambda a, b: a if a == b else a + row_group * (b - a)
+      if same_count:
         pieces = [(pick(r0, r1), pick(c0, c1))
                   for (r0, c0), (r1, c1) in zip(*per_warpgroup)]
         add_pieces(row_group, slices(pieces), buffer, q_start, head, factors)

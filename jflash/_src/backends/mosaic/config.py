@@ -53,7 +53,7 @@ class MosaicBlockSizes:
       row by a power of two from a bound, 30 bits of it per row:
       `backward.dq_fixed_point_exponents`). With
       `flash_attention(..., deterministic_grads=False)` they are float32
-      (5-14% faster, dQ's last bits vary), and that option also turns
+      (3-12% faster, dQ's last bits vary), and that option also turns
       atomic_dq on by itself where it is faster than the default backward
       (`nondeterministic_tiles`).
   """
