@@ -108,6 +108,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="skip single-GPU flash_attention at T/d")
   parser.add_argument("--exposed-comm", action="store_true",
                       help="also time the ring with its transfers removed")
+  parser.add_argument("--compiler-option", type=parse_compiler_option,
+                      action="append", default=[], metavar="NAME=VALUE",
+                      help="an XLA option for the ring's jitted steps "
+                           "(repeatable), e.g. xla_gpu_experimental_"
+                           "parallel_collective_overlap_limit=4")
   parser.add_argument("--json", help="write the rows and metadata here")
   parser.add_argument("--tiny", action="store_true",
                       help="tiny CPU-sized run (a smoke test)")
@@ -133,16 +138,31 @@ def attention_flops(batch, heads, seq, head_dim, is_causal, pass_) -> float:
   return flops * (FWD_BWD_FACTOR if pass_ == "fwd+bwd" else 1.0)
 
 
-def make_step(attention, pass_):
-  """jit of the forward, or of the gradients w.r.t. q, k, v."""
+def make_step(attention, pass_, compiler_options=None):
+  """jit of the forward, or of the gradients w.r.t. q, k, v (compiled with
+  XLA `compiler_options`, e.g. the scheduler's, if given)."""
+  jit = functools.partial(jax.jit, compiler_options=compiler_options or None)
   if pass_ == "fwd":
-    return jax.jit(lambda q, k, v, ct: attention(q, k, v))
+    return jit(lambda q, k, v, ct: attention(q, k, v))
 
   def loss(q, k, v, ct):
     return jnp.sum(attention(q, k, v).astype(jnp.float32)
                    * ct.astype(jnp.float32))
 
-  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  return jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def parse_compiler_option(text: str) -> tuple[str, Any]:
+  """`NAME=VALUE` of --compiler-option: VALUE an int, true/false or text."""
+  name, sep, value = text.partition("=")
+  if not sep or not name:
+    raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+  if value.lower() in ("true", "false"):
+    return name, value.lower() == "true"
+  try:
+    return name, int(value)
+  except ValueError:
+    return name, value
 
 
 def make_inputs(args, seq, sharding):
@@ -226,7 +246,8 @@ def run_case(args, *, devices, seq, strategy, layout, pass_, comm=True):
         implementation=args.implementation)
     inputs = make_inputs(args, seq, NamedSharding(mesh, P(None, AXIS)))
     with contextlib.nullcontext() if comm else no_communication():
-      seconds, program_bytes = time_case(make_step(attention, pass_),
+      seconds, program_bytes = time_case(
+          make_step(attention, pass_, dict(args.compiler_option)),
                                          inputs, args)
     flops = attention_flops(args.batch, args.heads, seq, args.head_dim,
                             args.causal, pass_)
@@ -295,7 +316,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
       sys.exit(f"--devices {count}: only {len(all_devices)} devices here.")
   print(f"{len(all_devices)} x {all_devices[0].device_kind}; B={args.batch} "
         f"H={args.heads} K={args.kv_heads} D={args.head_dim} {args.dtype} "
-        f"causal={args.causal}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+        f"causal={args.causal}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}"
+        + (f"; compiler options {dict(args.compiler_option)}"
+           if args.compiler_option else ""))
   print(HEADER)
   rows, baselines = [], {}
   for count in counts:
@@ -329,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         date=datetime.datetime.now().isoformat(timespec="seconds"),
         device_kind=all_devices[0].device_kind, device_count=len(all_devices),
         jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+        compiler_options=dict(args.compiler_option),
         argv=sys.argv[1:] if argv is None else list(argv),
         fwd_bwd_factor=FWD_BWD_FACTOR)
     with open(args.json, "w") as f:
