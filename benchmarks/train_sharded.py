@@ -88,8 +88,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--d-model", type=int, default=2048)
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--vocab", type=int, default=32000)
-  parser.add_argument("--impls", default="jflash,cudnn",
-                      help="comma-separated: jflash, cudnn, triton, xla")
+  parser.add_argument("--impls",
+                      help="comma-separated: jflash, cudnn, triton, xla "
+                           "(default jflash,cudnn; --tiny: xla,triton)")
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--steps-per-round", type=int, default=3)
@@ -105,8 +106,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.tiny:
     args.layers, args.d_model, args.heads, args.kv_heads = 2, 64, 4, 2
     args.vocab, args.seq_len, args.batch = 256, 64, 2
-    args.impls = "xla,triton"
+    args.impls = args.impls or "xla,triton"
     args.warmup, args.rounds, args.steps_per_round = 1, 2, 1
+  args.impls = args.impls or "jflash,cudnn"
   args.impls = list(dict.fromkeys(
       s.strip() for s in args.impls.split(",") if s.strip()))
   unknown = sorted(set(args.impls) - {"jflash", "cudnn", "triton", "xla"})

@@ -227,7 +227,10 @@ def train(args) -> dict[str, Any]:
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return jnp.sum(losses * mask) / jnp.sum(mask)
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  # The ring's transfers overlap its blocks only if XLA's scheduler may
+  # keep several collectives in flight (jflash.ring_compiler_options).
+  @functools.partial(jax.jit, donate_argnums=(0, 1),
+                     compiler_options=jflash.ring_compiler_options())
   def step(params, opt_state, tokens, targets, mask):
     loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets, mask)
     updates, opt_state = optimizer.update(grads, opt_state, params)

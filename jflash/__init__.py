@@ -19,6 +19,7 @@ from jflash._src.ring import load_balance
 from jflash._src.ring import load_unbalance
 from jflash._src.ring import ring_attention
 from jflash._src.ring import ring_attention_local
+from jflash._src.ring import ring_compiler_options
 from jflash._src.autotune import autotune
 
 _deprecation.silence_triton_deprecation()
@@ -28,4 +29,5 @@ __all__ = [
     "BlockSizes", "MosaicBlockSizes", "autotune", "decode_attention",
     "default_block_sizes", "dequantize_fp8", "flash_attention", "hadamard",
     "implementations", "load_balance", "load_unbalance", "quantize_fp8",
-    "quantize_qkv", "ring_attention", "ring_attention_local"]
+    "quantize_qkv", "ring_attention", "ring_attention_local",
+    "ring_compiler_options"]

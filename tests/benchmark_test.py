@@ -34,6 +34,7 @@ def _load_benchmark(name):
 
 run = _load_benchmark("run")
 train_step = _load_benchmark("train_step")
+train_sharded = _load_benchmark("train_sharded")
 
 # The second shape is GQA (2 kv heads), and the shape of train_step.py
 # --tiny's attention (B, N = 2, 64; 4 query / 2 kv heads of 16, bf16,
@@ -119,6 +120,61 @@ class BenchmarkTest(absltest.TestCase):
     self.assertCountEqual(rounds[1], names)
     # Every call failed to compile: rounds with nothing to time.
     self.assertEqual(run.round_orders([], 2), [[], []])
+
+
+class TrainShardedTest(absltest.TestCase):
+
+  def test_tiny_meshes(self):
+    # --tiny on 1, 2 and 4 of the suite's CPU devices: one device, heads
+    # split over two (model), and batch x heads over 2 x 2. XLA attention
+    # and jflash's Triton kernels in the interpreter (partitioned by
+    # custom_partitioning over the batch and heads shards).
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.device_count() < 4:
+      self.skipTest("needs 4 devices (the CPU suite's processes have 8)")
+    with tempfile.TemporaryDirectory() as tmp:
+      json_path = os.path.join(tmp, "sharded.json")
+      with contextlib.redirect_stdout(io.StringIO()):
+        rows = train_sharded.main(["--tiny", "--meshes", "1x1", "1x2",
+                                   "2x2", "--json", json_path])
+      with open(json_path) as f:
+        self.assertEqual(json.load(f)["rows"], rows)
+    by = {(r["mesh"], r["impl"]): r for r in rows}
+    self.assertEqual(sorted(by), sorted(
+        (m, i) for m in ("1x1", "1x2", "2x2") for i in ("xla", "triton")))
+    for (mesh, impl), row in by.items():
+      with self.subTest(mesh=mesh, impl=impl):
+        self.assertIsNone(row["error"])
+        # Attention on local shards: no collective rebuilds q, k or v (nor
+        # anything: the moments are sharded as their parameters).
+        self.assertEqual(row["qkv_all_gathers"], [])
+        self.assertEqual(row["all-gather"], 0)
+        self.assertEqual(row["all-reduce"] > 0, mesh != "1x1")
+        self.assertEqual(row["batch"], 2 * int(mesh[0]))
+        self.assertLen(row["times"], 2)
+        self.assertAlmostEqual(row["tokens_per_s_per_gpu"] * row["gpus"],
+                               row["tokens_per_s"], places=3)
+        # Splitting the heads changes the arithmetic's order only; the
+        # kernels agree with XLA's attention.
+        self.assertAlmostEqual(row["loss_first"],
+                               by[("1x1", "xla")]["loss_first"]
+                               if mesh != "2x2" else
+                               by[("2x2", "xla")]["loss_first"], delta=5e-4)
+    self.assertEqual(by[("1x1", "triton")]["vs_1gpu"], 1.0)
+    self.assertIsNone(by[("1x1", "triton")]["vs_cudnn"])
+
+  def test_bad_arguments(self):
+    for argv, message in (
+        (["--meshes", "2"], "DxM"),
+        (["--meshes", "1x3"], "must divide --kv-heads"),
+        (["--impls", "flash"], "unknown"),
+        (["--batch", "0"], "--batch must be positive")):
+      with self.subTest(argv=argv):
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), self.assertRaises(
+            SystemExit):
+          train_sharded.parse_args(argv)
+        self.assertIn(message, stderr.getvalue())
 
 
 class TrainStepTest(absltest.TestCase):

@@ -98,9 +98,11 @@ class RingAttentionTest(parameterized.TestCase):
                     "subprocess")
 
   def _check(self, devices, *, strategy="ring", layout="contiguous",
-             is_causal=True, segments=False, sinks=False, seq=T, **options):
+             is_causal=True, segments=False, sinks=False, seq=T,
+             compiler_options=None, **options):
     """Ring attention of the inputs (permuted for the balanced layout)
-    against flash_attention: output and every gradient."""
+    against flash_attention: output and every gradient (jitted with XLA
+    `compiler_options`, if given)."""
     q, k, v, dout = _inputs(0, seq)
     q_ids, kv_ids = _segment_ids(seq) if segments else (None, None)
     # On the host (NumPy), as `_inputs`: LoadBalanceTest covers the
@@ -121,7 +123,8 @@ class RingAttentionTest(parameterized.TestCase):
     args = tuple(map(into, (q, k, v))) + ((SINKS,) if sinks else ())
     with jax.set_mesh(mesh):
       out, *grads = jax.jit(functools.partial(
-          test_util.value_and_all_grads, fn, into(dout)))(*args)
+          test_util.value_and_all_grads, fn, into(dout)),
+                            compiler_options=compiler_options)(*args)
     # Sequence-shaped results back to positions in order; dsinks is [N].
     results = (back(out), *map(back, grads[:3]), *grads[3:])
     expected = _reference(0, seq, is_causal, segments, sinks)
@@ -149,6 +152,12 @@ class RingAttentionTest(parameterized.TestCase):
   def test_all_gather(self, devices, layout, is_causal, segments, sinks):
     self._check(devices, strategy="all_gather", layout=layout,
                 is_causal=is_causal, segments=segments, sinks=sinks)
+
+  def test_compiled_with_ring_compiler_options(self):
+    # The scheduler options the GPU wants (RECORD 2026-11-26, 4 H100s)
+    # change only the schedule: the same results.
+    self._check(4, layout="balanced", segments=True,
+                compiler_options=jflash.ring_compiler_options())
 
   @parameterized.named_parameters(("contiguous", "contiguous"),
                                   ("balanced", "balanced"))
@@ -332,6 +341,32 @@ class LoadBalanceTest(parameterized.TestCase):
       jflash.load_unbalance(x, 0)
     with self.assertRaisesRegex(ValueError, "axis=2"):
       jflash.load_balance(x, 1, axis=2)
+
+
+class RingCompilerOptionsTest(parameterized.TestCase):
+
+  def test_xla_knows_the_options(self):
+    # XLA rejects an unknown option ("No such compile option"): a JAX
+    # version that renames one fails here, not in a user's compile.
+    options = jflash.ring_compiler_options(2)
+    self.assertEqual(
+        options["xla_gpu_experimental_parallel_collective_overlap_limit"], 2)
+    self.assertTrue(options["xla_gpu_enable_latency_hiding_scheduler"])
+    x = jnp.arange(8.0)
+    compiled = jax.jit(jnp.sin, compiler_options=options).lower(x).compile()
+    np.testing.assert_array_equal(compiled(x), jnp.sin(x))
+    with self.assertRaisesRegex(Exception, "No such compile option"):
+      jax.jit(jnp.sin, compiler_options={"xla_gpu_not_an_option": 1}).lower(
+          x).compile()
+    # A new dict each time: a caller's edit does not leak into the next.
+    options["xla_gpu_enable_latency_hiding_scheduler"] = False
+    self.assertTrue(jflash.ring_compiler_options()[
+        "xla_gpu_enable_latency_hiding_scheduler"])
+
+  @parameterized.parameters(0, -1, 2.0, True, "4")
+  def test_bad_count(self, count):
+    with self.assertRaisesRegex(ValueError, "collectives_in_flight"):
+      jflash.ring_compiler_options(count)
 
 
 class BadInputTest(parameterized.TestCase):
