@@ -32,6 +32,12 @@ latency-hiding scheduler, e.g.
   PYTHONPATH=. python3 benchmarks/ring.py --devices 2 4 8 \\
       --lengths 32768 131072 --strategies ring --exposed-comm
 
+and, to time what `jflash.ring_compiler_options()` gives (the scheduler
+may keep 4 collectives in flight, not 1: RECORD 2026-11-26, 4 H100s),
+
+  ... benchmarks/ring.py --compiler-option \\
+      xla_gpu_experimental_parallel_collective_overlap_limit=4
+
 A case that fails (e.g. out of memory) prints its error in its row and the
 run goes on. Off a GPU the script exits unless --tiny or --allow-cpu:
 

