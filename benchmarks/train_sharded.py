@@ -169,16 +169,14 @@ def collective_counts(hlo: str, qkv_shapes: list[tuple[int, ...]]
   for op in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
              "collective-permute"):
     counts[op] = len(re.findall(rf"\s{op}(?:-start)?\(", hlo))
-  gathered = []
-  for line in hlo.splitlines():
-    m = re.search(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(", line)
-    if m:
-      shape = tuple(int(s) for s in m.group(2).split(",") if s)
-      if shape in qkv_shapes:
-        gathered.append(shape)
-  counts["qkv_all_gathers"] = gathered
+  # Result shapes of the all-gathers, e.g. "bf16[8,2048,16,128]".
   counts["all_gather_shapes"] = sorted(set(re.findall(
       r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)))
+  dims = lambda text: tuple(int(d) for d in
+                            text[text.index("[") + 1:-1].split(",") if d)
+  counts["qkv_all_gathers"] = [
+      shape for shape in counts["all_gather_shapes"]
+      if dims(shape) in qkv_shapes]
   return counts
 
 

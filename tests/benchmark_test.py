@@ -163,6 +163,22 @@ class TrainShardedTest(absltest.TestCase):
     self.assertEqual(by[("1x1", "triton")]["vs_1gpu"], 1.0)
     self.assertIsNone(by[("1x1", "triton")]["vs_cudnn"])
 
+  def test_collective_counts(self):
+    hlo = "\n".join([
+        "  %ag = bf16[8,2048,4,128]{3,2,1,0} all-gather(%x), dimensions={2}",
+        "  %ags = (f32[2,64]{1,0}, f32[4,64]{1,0}) all-gather-start(%y)",
+        "  %ar = f32[64]{0} all-reduce(%z), to_apply=%sum",
+        "  %all-reduce.1 = f32[64]{0} all-reduce-start(%z), to_apply=%sum",
+        "  %cp = bf16[4]{0} collective-permute(%w)"])
+    counts = train_sharded.collective_counts(
+        hlo, [(8, 2048, 16, 128), (8, 2048, 4, 128)])
+    self.assertEqual(
+        {k: counts[k] for k in ("all-gather", "all-reduce",
+                                "reduce-scatter", "collective-permute")},
+        {"all-gather": 2, "all-reduce": 2, "reduce-scatter": 0,
+         "collective-permute": 1})
+    self.assertEqual(counts["qkv_all_gathers"], ["bf16[8,2048,4,128]"])
+
   def test_bad_arguments(self):
     for argv, message in (
         (["--meshes", "2"], "DxM"),
