@@ -161,6 +161,30 @@ def param_specs(params: dict[str, Any]):
   return {"embed": P(), "layers": layers, "final_norm": P(), "head": P()}
 
 
+def state_shardings(optimizer, param_shapes, param_shardings):
+  """The shardings of `optimizer.init` of the float32 parameters: adamw's
+  moments as their parameters (matched by the parameter's path of dict
+  keys), scalars such as the step count replicated. Left to propagation,
+  the moments came out replicated and every step all-gathered the float32
+  gradients of the split weights for the update."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  by_path = {
+      tuple(k.key for k in path): sharding
+      for path, sharding in jax.tree_util.tree_flatten_with_path(
+          param_shardings)[0]}
+  replicated = NamedSharding(next(iter(by_path.values())).mesh, P())
+  shapes = jax.eval_shape(
+      lambda p: optimizer.init(jax.tree.map(
+          lambda a: a.astype(jnp.float32), p)), param_shapes)
+
+  def pick(path, leaf):
+    keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+    return by_path.get(keys, replicated) if leaf.ndim else replicated
+  return jax.tree_util.tree_map_with_path(pick, shapes)
+
+
 def collective_counts(hlo: str, qkv_shapes: list[tuple[int, ...]]
                       ) -> dict[str, Any]:
   """Collective ops of a compiled HLO module, and all-gathers that rebuild
@@ -252,26 +276,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                              is_leaf=lambda x: isinstance(x, P))
     states, compiled, row_of = {}, {}, {}
 
-    def state_shardings(param_shardings, mesh):
-      """The optimizer state's shardings: adamw's moments as their
-      parameters (matched by the parameter's path of dict keys), scalars
-      such as the step count replicated. Left to propagation, the moments
-      came out replicated and every step all-gathered the float32
-      gradients of the split weights for the update."""
-      by_path = {
-          tuple(k.key for k in path): sharding
-          for path, sharding in jax.tree_util.tree_flatten_with_path(
-              param_shardings)[0]}
-      shapes = jax.eval_shape(
-          lambda p: optimizer.init(ts.to_float32(p)),
-          jax.eval_shape(functools.partial(ts.init_params, cfg=cfg), key))
-
-      def pick(path, leaf):
-        keys = tuple(k.key for k in path
-                     if isinstance(k, jax.tree_util.DictKey))
-        return by_path.get(keys, NamedSharding(mesh, P())) if leaf.ndim \
-            else NamedSharding(mesh, P())
-      return jax.tree_util.tree_map_with_path(pick, shapes)
     for impl in args.impls:
       inner = bench.attention_fn(impl, is_causal=True)
 
@@ -289,11 +293,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                          out_shardings=shardings)(key, cfg)
         opt_state = jax.jit(
             lambda p: optimizer.init(ts.to_float32(p)),
-            out_shardings=state_shardings(shardings, mesh))(params)
+            out_shardings=state_shardings(optimizer, shapes, shardings))(
+                params)
         step = jax.jit(
             functools.partial(ts.train_step, cfg=cfg, attention=attention,
                               optimizer=optimizer),
-            out_shardings=(shardings, state_shardings(shardings, mesh),
+            out_shardings=(shardings,
+                           state_shardings(optimizer, shapes, shardings),
                            NamedSharding(mesh, P())),
             donate_argnums=(0, 1))
         start = time.perf_counter()
