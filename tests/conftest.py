@@ -15,6 +15,7 @@ import shutil
 import tempfile
 
 import jax
+import pytest
 
 # Tracing and lowering make millions of short-lived Python objects; at
 # CPython's default thresholds (700, 10, 10) the cyclic garbage collector
@@ -83,3 +84,16 @@ CPU_DEVICES = os.environ.get(
     "8" if os.environ.get("JFLASH_TEST_ON_GPU") != "1" else "")
 if CPU_DEVICES:
   jax.config.update("jax_num_cpu_devices", int(CPU_DEVICES))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_passes():
+  """Each test traces jflash's kernel passes anew: `binding._shared_pass`
+  is a `jax.jit` that keeps a call's traced pass for the process (equal
+  calls in one program then share one kernel), so a test that patches a
+  module the pass reads while tracing (e.g. a spy on `decode_call`) would
+  otherwise see the trace another test made earlier in the same worker,
+  and pass or fail by test order."""
+  from jflash._src import binding  # pylint: disable=g-import-not-at-top
+  binding._shared_pass.clear_cache()  # pylint: disable=protected-access
+  yield

@@ -287,8 +287,7 @@ class DecodeTest(parameterized.TestCase):
         triton_decode, "MAX_ROWS_PER_LAUNCH", 16))
     q, k, v = _inputs(11, num_tokens=5, num_heads=8, num_kv_heads=2)
     lengths = jnp.array([96, 40, 3], jnp.int32)
-    with mock.patch.object(triton_decode, "decode_call",
-                           wraps=triton_decode.decode_call) as calls:
+    with test_util.spy(triton_decode, "decode_call") as calls:
       self._check(IMPLEMENTATIONS[0][1], q, k, v, lengths,
                   alibi_slopes=np.linspace(0.05, 0.4, 8, dtype=np.float32),
                   local_window_size=(30, 0),
@@ -390,8 +389,7 @@ class DecodeTest(parameterized.TestCase):
                    num_splits=num_splits)
     kwargs = dict(alibi_slopes=np.linspace(0.01, 0.1, 8, dtype=np.float32),
                   sinks=np.linspace(-1, 1, 8, dtype=np.float32))
-    with mock.patch.object(triton_decode, "decode_call",
-                           wraps=triton_decode.decode_call) as calls:
+    with test_util.spy(triton_decode, "decode_call") as calls:
       out, lse = jax.jit(lambda q, k, v, lengths: jflash.decode_attention(
           q, pages(k) if page_size else k, pages(v) if page_size else v,
           lengths, return_residual=True, residual_dtype=jnp.float32,
@@ -422,8 +420,7 @@ class DecodeTest(parameterized.TestCase):
 
     # (num_splits names the decode backend, which has no backward: the
     # route's split count is set instead.)
-    with mock.patch.object(triton_decode, "decode_call",
-                           wraps=triton_decode.decode_call) as calls, \
+    with test_util.spy(triton_decode, "decode_call") as calls, \
         mock.patch.object(decode_backend, "default_num_splits",
                           return_value=num_splits):
       grads = gradients(interpret=test_util.INTERPRET)

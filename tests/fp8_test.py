@@ -424,8 +424,7 @@ class Fp8DecodeKernelTest(absltest.TestCase):
                         key_value_seq_lengths=lengths, **arrays, **options)
     plan = registry.plan(call.spec, None, call.options)
     self.assertEqual((plan.forward, plan.dequantize), ("decode", False))
-    with mock.patch.object(triton_decode, "decode_call",
-                           wraps=triton_decode.decode_call) as kernel:
+    with test_util.spy(triton_decode, "decode_call") as kernel:
       out, lse = jax.jit(lambda q8, k8, v8, lengths, arrays: (
           jflash.decode_attention(
               q8, k8, v8, lengths, num_splits=num_splits,

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from jflash._src import binding
 from jflash._src import registry
 from tests import tolerances
 
@@ -52,15 +53,23 @@ def sweep(cases, cpu_cases):
 
 
 @contextlib.contextmanager
+def spy(module, name: str):
+  """A spy (mock wrapping the original) on `module.name`, a function that
+  jflash's kernel passes call while tracing. The passes' traces are kept
+  per call (`binding._shared_pass`, a jax.jit): they are dropped first, so
+  the spy sees this test's calls even where an equal call was traced
+  before."""
+  binding._shared_pass.clear_cache()  # pylint: disable=protected-access
+  with mock.patch.object(module, name, wraps=getattr(module, name)) as calls:
+    yield calls
+
+
 def decode_kernel_spy():
   """A spy on the "decode" backend's kernel (implementation=None chooses
   the backend for every call it supports)."""
-  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
   from jflash._src.backends.triton import decode_backend
-  with mock.patch.object(decode_backend, "kernel_attention",
-                         wraps=decode_backend.kernel_attention
-                         ) as kernel_calls:
-    yield kernel_calls
+  return spy(decode_backend, "kernel_attention")
 
 
 def skip_unless_mosaic_gpu(test, what: str = "the Mosaic kernels run"):

@@ -80,7 +80,7 @@ def _run_pass(spec: CallSpec, plan: registry.Plan, pass_: str,
                   if pass_ == registry.FORWARD
                   else (plan.backward, plan.backward_config))
   backend = registry.get(name)
-  fn = functools.partial(getattr(backend, pass_), spec, config)
+  fn = functools.partial(_shared_pass, name, pass_, spec, config)
   if partition:
     if pass_ == registry.FORWARD:
       fn = sharding.partitioned(fn, spec, _FORWARD_ARGS, _FORWARD_RESULTS)
@@ -92,6 +92,17 @@ def _run_pass(spec: CallSpec, plan: registry.Plan, pass_: str,
   if not backend.differentiable:
     fn = _no_higher_order(fn, f"the {pass_} pass")
   return batching.fold_vmap_into_batch(fn)(*args)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _shared_pass(name: str, pass_: str, spec: CallSpec, config, *args):
+  """Backend `name`'s `pass_` of the call, under a `jax.jit` keyed by the
+  call's static description: equal calls in one program (the layers of an
+  unrolled model) trace to one jaxpr, which JAX lowers once, so their
+  kernels are one module, lowered and compiled once (each Pallas lowering
+  names its module apart, so equal kernels lowered twice are compiled
+  twice: RECORD 2026-11-26, "kernels compiled once per program")."""
+  return getattr(registry.get(name), pass_)(spec, config, *args)
 
 
 def forward_pass(spec: CallSpec, plan: registry.Plan, operands: Operands):
