@@ -46,6 +46,7 @@ import numpy as np
 from benchmarks import decode_route
 from benchmarks import run as bench
 import jflash
+from jflash._src import binding
 from jflash._src.backends.triton import decode_backend as decode_lib
 
 # B, S, query heads, kv heads (the table).
@@ -180,6 +181,9 @@ def sweep(num_tokens, rng):
       launch = decode_lib.DecodeLaunch(block_k, warps, stages)
       with mock.patch.object(decode_lib, "DEFAULT_LAUNCH", launch), \
           mock.patch.object(decode_lib, "WIDE_TILE_LAUNCH", None):
+        # jflash keeps each call's traced pass: drop them, or this launch
+        # would reuse the last one's trace.
+        binding.clear_traced_passes()
         try:  # A fresh jit: traced (and the split count chosen) here. A
           # new function object: jit's trace cache is keyed by the function,
           # and `jax.jit(run)` again would reuse the first launch's trace.
@@ -355,6 +359,7 @@ def fp8_launch_sweep(num_tokens, rng):
     for launch in FP8_LAUNCHES:
       with mock.patch.object(decode_lib, "FP8_LAUNCH",
                              decode_lib.DecodeLaunch(*launch)):
+        binding.clear_traced_passes()  # As in `sweep`.
         try:  # A new function: traced with this launch (see `sweep`).
           seconds = median_seconds(jax.jit(lambda *a: decode(*a)),
                                    (q8, k8, v8, lengths, descales))

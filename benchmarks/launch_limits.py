@@ -31,6 +31,7 @@ import numpy as np
 
 from benchmarks import run as bench
 import jflash
+from jflash._src import binding
 from jflash._src.backends.triton import block_sizes
 from jflash._src.backends.triton import decode as triton_decode
 from jflash._src.spec import MaskSpec
@@ -241,6 +242,7 @@ def speed():
                                  lambda *a, plan=plan, **k: plan)
                if plan else contextlib.nullcontext())
       with patch:
+        binding.clear_traced_passes()  # Or the last plan's trace is reused.
         try:
           seconds = bench.time_step(
               jax.jit(lambda *a: call(*a, "decode")), (q, k, v, lengths),

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from benchmarks import run
 import jflash
 from jflash._src import api
+from jflash._src import binding
 from jflash._src.backends.mosaic import backward as mosaic_backward
 from jflash._src.backends.mosaic import config as mosaic_config
 from jflash._src.backends.mosaic import forward as mosaic_forward
@@ -91,6 +92,8 @@ def _steps(shape, is_causal: bool):
                      dout.astype(jnp.float32))
   for split in SPLITS:
     with mock.patch.object(mosaic_config, "BWD_SHARED_ROW_SPLIT", split):
+      # jflash keeps each call's traced pass: drop them for this split.
+      binding.clear_traced_passes()
       name = f"{split} fwd+bwd"
       steps[name] = (_fwd_bwd(functools.partial(
           jflash.flash_attention, is_causal=is_causal,

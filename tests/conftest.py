@@ -95,5 +95,5 @@ def _fresh_kernel_passes():
   otherwise see the trace another test made earlier in the same worker,
   and pass or fail by test order."""
   from jflash._src import binding  # pylint: disable=g-import-not-at-top
-  binding._shared_pass.clear_cache()  # pylint: disable=protected-access
+  binding.clear_traced_passes()
   yield

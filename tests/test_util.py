@@ -59,7 +59,7 @@ def spy(module, name: str):
   per call (`binding._shared_pass`, a jax.jit): they are dropped first, so
   the spy sees this test's calls even where an equal call was traced
   before."""
-  binding._shared_pass.clear_cache()  # pylint: disable=protected-access
+  binding.clear_traced_passes()
   with mock.patch.object(module, name, wraps=getattr(module, name)) as calls:
     yield calls
 

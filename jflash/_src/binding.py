@@ -105,6 +105,15 @@ def _shared_pass(name: str, pass_: str, spec: CallSpec, config, *args):
   return getattr(registry.get(name), pass_)(spec, config, *args)
 
 
+def clear_traced_passes() -> None:
+  """Drops the passes `_shared_pass` has traced. For code that changes
+  what a pass reads while it traces (a benchmark comparing module
+  switches or launches under `mock.patch`, a test's spy): without this, a
+  call equal to one traced before reuses that trace, and the change is
+  silently not seen."""
+  _shared_pass.clear_cache()
+
+
 def forward_pass(spec: CallSpec, plan: registry.Plan, operands: Operands):
   """(out, lse2) of the call's forward pass, outside the `custom_vjp`.
 
