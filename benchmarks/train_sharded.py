@@ -63,6 +63,15 @@ import sys
 import time
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from benchmarks import run as bench
+from benchmarks import train_step as ts
+
 
 def parse_mesh(text: str) -> tuple[int, int]:
   """Parses `DxM` (data shards, model shards)."""
@@ -99,7 +108,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="smoke test: 2 layers, d_model 64, 4 heads of "
                            "16, sequence 64, vocab 256, XLA and Triton")
   parser.add_argument("--cpu-devices", type=int, default=0,
-                      help="fake this many CPU devices (before JAX starts)")
+                      help="fake this many CPU devices")
   parser.add_argument("--allow-cpu", action="store_true",
                       help="run off the GPU without --tiny")
   args = parser.parse_args(argv)
@@ -149,7 +158,6 @@ ROW_SPLIT = ("wo", "w_out")  # [layers, d_in, d_out]: split in
 
 def param_specs(params: dict[str, Any]):
   """PartitionSpecs of train_step.init_params's tree."""
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   layers = {}
   for name in params["layers"]:
     if name in COLUMN_SPLIT:
@@ -167,9 +175,6 @@ def state_shardings(optimizer, param_shapes, param_shardings):
   keys), scalars such as the step count replicated. Left to propagation,
   the moments came out replicated and every step all-gathered the float32
   gradients of the split weights for the update."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   by_path = {
       tuple(k.key for k in path): sharding
       for path, sharding in jax.tree_util.tree_flatten_with_path(
@@ -206,18 +211,9 @@ def collective_counts(hlo: str, qkv_shapes: list[tuple[int, ...]]
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   args = parse_args(argv)
-  if args.cpu_devices:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") +
-        f" --xla_force_host_platform_device_count={args.cpu_devices}")
-  # pylint: disable=g-import-not-at-top
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  from benchmarks import run as bench
-  from benchmarks import train_step as ts
-  # pylint: enable=g-import-not-at-top
+  if args.cpu_devices:  # Before any backend starts (as ring.py).
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 
   backend = jax.default_backend()
   if backend != "gpu" and not (args.tiny or args.allow_cpu):
