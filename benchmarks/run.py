@@ -87,7 +87,7 @@ import tqdm
 # mosaic_atomic: the Mosaic kernels with the opt-in atomic dQ backward
 # (MosaicBlockSizes.atomic_dq), default tiles otherwise. jflash_nondet: the
 # default choice with deterministic_grads=False (atomic dQ only where
-# config.nondeterministic_tiles takes it).
+# config.atomic_dq_where_faster takes it).
 IMPLS = ("triton", "mosaic", "mosaic_atomic", "jflash", "jflash_nondet",
          "cudnn", "xla", "mha")
 PASSES = ("fwd", "fwd+bwd")

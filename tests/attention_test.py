@@ -267,9 +267,9 @@ class MosaicAtomicDqTest(parameterized.TestCase):
   """The 5-product Mosaic backward (`MosaicBlockSizes(atomic_dq=True)`:
   dQ by reduce-adds from the dK/dV kernel, its pieces dealt out to the two
   warpgroups, `config.atomic_dq_pieces`) against the XLA path, with masks
-  that make one row group skip tiles the other computes
-  (`deterministic_grads=False` picks it by itself only for longer
-  sequences: config.nondeterministic_tiles). Deterministic calls add in
+  that make one row group skip tiles the other computes (calls at head dim
+  64 take it by themselves only over longer sequences:
+  config.atomic_dq_where_faster). Deterministic calls add in
   int32 fixed point: run twice, bitwise the same; with
   deterministic_grads=False in float32. Hopper only."""
 
@@ -338,6 +338,28 @@ class MosaicAtomicDqTest(parameterized.TestCase):
     step = jax.jit(functools.partial(test_util.value_and_grads, fn))
     results = jax.block_until_ready(step(q, k, v, dout))
     test_util.assert_close_to_reference(self, results, q, k, v, dout)
+
+  def test_deterministic_default_over_long_sequences(self):
+    """A default (deterministic) call at head dim 64 over
+    DETERMINISTIC_ATOMIC_DQ_MIN_LEN queries and keys takes the fixed-point
+    backward by itself: gradients against the reference, and bitwise the
+    same on a second run."""
+    length = mosaic_config.DETERMINISTIC_ATOMIC_DQ_MIN_LEN
+    q, k, v, dout = test_util.random_inputs(
+        41, batch=1, q_len=length, kv_len=length, num_heads=2,
+        num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    config = mosaic_config.MosaicConfig.for_call(api.describe(q, k, v).spec)
+    self.assertTrue(config.block_sizes.atomic_dq)
+    fn = functools.partial(jflash.flash_attention, implementation="mosaic",
+                           is_causal=True)
+    step = jax.jit(functools.partial(test_util.value_and_grads, fn))
+    results = jax.block_until_ready(step(q, k, v, dout))
+    test_util.assert_close_to_reference(self, results, q, k, v, dout,
+                                        is_causal=True)
+    again = jax.block_until_ready(step(q, k, v, dout))
+    for first, second in zip(jax.tree.leaves(results),
+                             jax.tree.leaves(again)):
+      np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
 
 
 # One process's Mosaic fwd+bwd (D=128, causal with segments, bfloat16):

@@ -237,32 +237,40 @@ class TrainingLaunchTest(parameterized.TestCase):
       self.assertLessEqual(sizes.backward_smem_bytes(head_dim, 2),
                            mosaic_config.SMEM_BUDGET_BYTES)
 
-  def test_mosaic_atomic_dq_chosen_only_without_determinism(self):
-    # deterministic_grads=False gives 16-bit head-dim-64 calls over >= 4096
-    # queries and keys without GQA atomic_dq on their default tiles
-    # (config.nondeterministic_tiles), which fit; shorter ones, GQA, head
-    # dim 128 (slower with it), FP8 and deterministic calls keep two
-    # backward kernels; tiles asking for atomic_dq are taken in both kinds
-    # of call (deterministic ones add dQ in fixed point).
-    def spec_of(head_dim, deterministic, length=4096, kv_heads=2):
+  def test_mosaic_atomic_dq_chosen_where_faster(self):
+    # 16-bit head-dim-64 calls without GQA take atomic_dq on their default
+    # tiles (config.atomic_dq_where_faster), which fit: from 4096 queries
+    # and keys with deterministic_grads=False (float32 adds), from 8192 in
+    # deterministic calls (int32 fixed point); shorter ones, GQA, head dims
+    # 128 and 256 (slower with it) and FP8 keep two backward kernels; tiles
+    # asking for atomic_dq are taken in both kinds of call.
+    def spec_of(head_dim, deterministic, length=4096, kv_heads=2,
+                kv_length=None):
       q = jnp.zeros((1, length, 2, head_dim), jnp.bfloat16)
-      kv = jnp.zeros((1, length, kv_heads, head_dim), jnp.bfloat16)
+      kv = jnp.zeros((1, kv_length or length, kv_heads, head_dim),
+                     jnp.bfloat16)
       return api.describe(q, kv, kv, deterministic_grads=deterministic).spec
 
-    for head_dim, deterministic, length, kv_heads, expected in (
-        (64, False, 4096, 2, True), (64, False, 4088, 2, False),
-        (64, False, 4096, 1, False), (64, True, 4096, 2, False),
-        (128, False, 4096, 2, False), (256, False, 4096, 2, False)):
-      spec = spec_of(head_dim, deterministic, length, kv_heads)
+    for head_dim, deterministic, length, kv_length, kv_heads, expected in (
+        (64, False, 4096, None, 2, True), (64, False, 4088, None, 2, False),
+        (64, False, 4096, None, 1, False), (64, True, 4096, None, 2, False),
+        (64, True, 8192, None, 2, True), (64, True, 8184, None, 2, False),
+        (64, True, 8192, 4096, 2, False), (64, True, 4096, 8192, 2, False),
+        (64, True, 8192, None, 1, False), (128, True, 8192, None, 2, False),
+        (128, False, 4096, None, 2, False),
+        (256, False, 4096, None, 2, False)):
+      spec = spec_of(head_dim, deterministic, length, kv_heads, kv_length)
       tiles = mosaic_config.MosaicConfig.for_call(spec).block_sizes
       self.assertEqual(tiles.atomic_dq, expected,
                        msg=f"{head_dim=} {deterministic=} {length=} "
-                       f"{kv_heads=}")
+                       f"{kv_length=} {kv_heads=}")
       self.assertLessEqual(tiles.backward_smem_bytes(head_dim, 2),
                            mosaic_config.SMEM_BUDGET_BYTES)
-    fp8 = dataclasses.replace(spec_of(64, False), dtype="float8_e4m3fn")
-    self.assertFalse(mosaic_config.nondeterministic_tiles(
-        mosaic_config.default_fp8_block_sizes(64), fp8).atomic_dq)
+    for deterministic in (True, False):
+      fp8 = dataclasses.replace(spec_of(64, deterministic, 8192),
+                                dtype="float8_e4m3fn")
+      self.assertFalse(mosaic_config.atomic_dq_where_faster(
+          mosaic_config.default_fp8_block_sizes(64), fp8).atomic_dq)
     atomic = dataclasses.replace(mosaic_config.default_block_sizes(128),
                                  atomic_dq=True)
     for deterministic in (True, False):

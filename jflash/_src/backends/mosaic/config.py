@@ -53,9 +53,10 @@ class MosaicBlockSizes:
       row by a power of two from a bound, 30 bits of it per row:
       `backward.dq_fixed_point_exponents`). With
       `flash_attention(..., deterministic_grads=False)` they are float32
-      (3-12% faster, dQ's last bits vary), and that option also turns
-      atomic_dq on by itself where it is faster than the default backward
-      (`nondeterministic_tiles`).
+      (3-12% faster, dQ's last bits vary). Without tiles from the user,
+      calls take atomic_dq by themselves where it was faster than the two
+      kernels (`atomic_dq_where_faster`: head dim 64 from 8192 queries and
+      keys, or 4096 with deterministic_grads=False).
   """
 
   block_q: int = 64
@@ -336,29 +337,41 @@ def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
   return sizes
 
 
-# `flash_attention(..., deterministic_grads=False)`: the head dims, and the
-# shortest query and key lengths, at which the call's 16-bit tiles take
-# atomic_dq (the 5-product backward, dQ by float32 reduce-adds), where it
-# was faster than the default backward (H100, 2026-11-26, fwd+bwd,
-# non-causal / causal), without GQA: D=64 1.07-1.10x / 1.01x at 2x4096,
-# 1.08x at 4x4096, 1.03x / 1.03x at 1x16384, but 0.98x / 0.79x at 8x1024
-# and 0.98x / 0.98x at 2x8192 with 4 query heads per kv head; D=128
-# 0.95-0.99x, 0.81x at 4x2048 causal (RECORD "the atomic dQ at 240
-# registers on all rows" and the `deterministic_grads=False` entries).
-NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS = (64,)
+# The calls whose 16-bit tiles take atomic_dq by themselves (the 5-product
+# backward) because it was faster than the default's two backward kernels
+# (H100, fwd+bwd, one query head per kv head; D=128 was slower in both
+# kinds: 0.95-0.99x in float32, 0.86-1.00x in fixed point, 0.81x at 4x2048
+# causal):
+# - `deterministic_grads=False` (float32 adds), D=64 from 4096 queries and
+#   keys, non-causal / causal: 1.07-1.10x / 1.01x at 2x4096, 1.08x at
+#   4x4096, 1.03x / 1.03x at 1x16384, but 0.98x / 0.79x at 8x1024 and
+#   0.98x / 0.98x at 2x8192 with 4 query heads per kv head (RECORD
+#   2026-11-26, "the atomic dQ at 240 registers on all rows" and the
+#   `deterministic_grads=False` entries).
+# - deterministic calls (int32 fixed point, bitwise the same run after run),
+#   D=64 from 8192 queries and keys: 1.01x at 1x8192x16, 1.08-1.09x at
+#   4x8192x16 and 2x8192x32, 1.06-1.09x at 16k-32k tokens, 1.04x / 1.07x
+#   causal at 16k / 32k; 0.96x at 2x4096 (RECORD 2026-11-27, "where fixed
+#   point wins at head dim 64"; 2026-11-26, "the fixed-point dQ pieces
+#   rounded and reduce-added by the producer").
+ATOMIC_DQ_HEAD_DIMS = (64,)
 NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN = 4096
+DETERMINISTIC_ATOMIC_DQ_MIN_LEN = 8192
 
 
-def nondeterministic_tiles(tiles: MosaicBlockSizes, spec: CallSpec
+def atomic_dq_where_faster(tiles: MosaicBlockSizes, spec: CallSpec
                            ) -> MosaicBlockSizes:
-  """The call's tiles with atomic_dq where `deterministic_grads=False`
-  allows it and it was faster (NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS, query
-  and key lengths from NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN, one query head
-  per kv head; 16-bit inputs, shared memory permitting); else `tiles` as
-  they are."""
-  if (spec.deterministic_grads or is_fp8(spec) or spec.group != 1
-      or spec.head_dim not in NONDETERMINISTIC_ATOMIC_DQ_HEAD_DIMS
-      or min(spec.q_len, spec.kv_len) < NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN):
+  """The call's tiles with atomic_dq where it was faster than the two
+  backward kernels: 16-bit, one query head per kv head, a head dim in
+  ATOMIC_DQ_HEAD_DIMS, query and key lengths from
+  NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN (`deterministic_grads=False`: float32
+  adds) or DETERMINISTIC_ATOMIC_DQ_MIN_LEN (deterministic: int32 fixed
+  point), shared memory permitting; else `tiles` as they are."""
+  min_len = (DETERMINISTIC_ATOMIC_DQ_MIN_LEN if spec.deterministic_grads
+             else NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN)
+  if (is_fp8(spec) or spec.group != 1
+      or spec.head_dim not in ATOMIC_DQ_HEAD_DIMS
+      or min(spec.q_len, spec.kv_len) < min_len):
     return tiles
   atomic = dataclasses.replace(tiles, atomic_dq=True)
   if atomic.backward_smem_bytes(spec.head_dim, ITEMSIZE) > SMEM_BUDGET_BYTES:
@@ -392,15 +405,14 @@ class MosaicConfig:
     """The call's configuration (the backend's `configure`): the user's
     `block_sizes`, else the tiles `jflash.autotune` cached for this device
     and shape, else `default_tiles`; without a user's tiles, with
-    atomic_dq where `spec.deterministic_grads` is False and it is faster
-    (`nondeterministic_tiles`).
+    atomic_dq where it is faster (`atomic_dq_where_faster`).
 
     Raises:
       ValueError: if the tiles exceed Hopper's shared memory.
       NotImplementedError: for atomic_dq at a head dim over 128.
     """
     if block_sizes is None:
-      block_sizes = nondeterministic_tiles(
+      block_sizes = atomic_dq_where_faster(
           cache.tuned(spec, "mosaic", MosaicBlockSizes)
           or default_tiles(spec), spec)
     check_fits(block_sizes, spec)
