@@ -13,6 +13,11 @@ v), each under `jax.jit`:
   jflash_nondet: as jflash with `deterministic_grads=False` (the atomic dQ
           where jflash's rule takes it)
   cudnn:  `jax.nn.dot_product_attention(..., implementation="cudnn")`
+  tokamax: `tokamax.dot_product_attention(..., implementation="mosaic")`,
+          tokamax's Mosaic GPU kernels with its default configs (Hopper;
+          the package is not a jflash dependency: without it the rows
+          report an ImportError; WORKSPACE_NOTES says how the GPU machine
+          gets it)
   xla:    `jax.nn.dot_product_attention(..., implementation="xla")`; it
           materializes the [N, N] scores, so it is skipped above
           --skip-xla-above.
@@ -89,7 +94,7 @@ import tqdm
 # default choice with deterministic_grads=False (atomic dQ only where
 # config.atomic_dq_where_faster takes it).
 IMPLS = ("triton", "mosaic", "mosaic_atomic", "jflash", "jflash_nondet",
-         "cudnn", "xla", "mha")
+         "cudnn", "xla", "mha", "tokamax")
 PASSES = ("fwd", "fwd+bwd")
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -285,6 +290,19 @@ def attention_fn(impl: str, is_causal: bool) -> Callable[..., jax.Array]:
             f"{k.shape[2]=} kv heads")
       return attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5,
                            causal=is_causal)
+    return f
+
+  if impl == "tokamax":
+    try:
+      import tokamax  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise ImportError(
+          "--impls tokamax needs the tokamax package (pip install tokamax); "
+          f"importing it failed: {e}") from e
+
+    def f(q, k, v):
+      return tokamax.dot_product_attention(
+          q, k, v, is_causal=is_causal, implementation="mosaic")
     return f
 
   def f(q, k, v):

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 
@@ -90,6 +91,16 @@ class BenchmarkTest(absltest.TestCase):
     self.assertEqual(run.flops(shape, True, "fwd+bwd"),
                      4 * 2 * 4 * 64**2 * 32 * 0.5 * 3.5)
     self.assertEqual(run.flops(shape, False, "fwd"), 4 * 2 * 4 * 64**2 * 32)
+
+  def test_a_missing_peer_names_its_package(self):
+    # --impls tokamax times tokamax's kernels where the package is there;
+    # without it the rows get an ImportError that says what to install
+    # (run_case records it in the row and goes on).
+    self.assertEqual(run.parse_impls("jflash,tokamax,cudnn"),
+                     ["jflash", "tokamax", "cudnn"])
+    with mock.patch.dict(sys.modules, {"tokamax": None}):
+      with self.assertRaisesRegex(ImportError, "pip install tokamax"):
+        run.attention_fn("tokamax", is_causal=True)
 
   def test_parse_shape(self):
     self.assertEqual(run.parse_shape("1,64,4,32").num_kv_heads, 4)
