@@ -238,12 +238,13 @@ class TrainingLaunchTest(parameterized.TestCase):
                            mosaic_config.SMEM_BUDGET_BYTES)
 
   def test_mosaic_atomic_dq_chosen_where_faster(self):
-    # 16-bit head-dim-64 calls without GQA take atomic_dq on their default
-    # tiles (config.atomic_dq_where_faster), which fit: from 4096 queries
-    # and keys with deterministic_grads=False (float32 adds), from 8192 in
-    # deterministic calls (int32 fixed point); shorter ones, GQA, head dims
-    # 128 and 256 (slower with it) and FP8 keep two backward kernels; tiles
-    # asking for atomic_dq are taken in both kinds of call.
+    # 16-bit calls without GQA take atomic_dq on their default tiles
+    # (config.atomic_dq_where_faster), which fit: with
+    # deterministic_grads=False (float32 adds) at head dim 64 from 4096
+    # queries and keys and at 128 from 16384, deterministic calls (int32
+    # fixed point) at head dim 64 from 8192; shorter ones, GQA, head dim 256
+    # (slower with it) and FP8 keep two backward kernels; tiles asking for
+    # atomic_dq are taken in both kinds of call.
     def spec_of(head_dim, deterministic, length=4096, kv_heads=2,
                 kv_length=None):
       q = jnp.zeros((1, length, 2, head_dim), jnp.bfloat16)
@@ -257,7 +258,9 @@ class TrainingLaunchTest(parameterized.TestCase):
         (64, True, 8192, None, 2, True), (64, True, 8184, None, 2, False),
         (64, True, 8192, 4096, 2, False), (64, True, 4096, 8192, 2, False),
         (64, True, 8192, None, 1, False), (128, True, 8192, None, 2, False),
-        (128, False, 4096, None, 2, False),
+        (128, False, 4096, None, 2, False), (128, False, 16384, None, 2, True),
+        (128, False, 16376, None, 2, False), (128, True, 16384, None, 2, False),
+        (128, False, 16384, None, 1, False),
         (256, False, 4096, None, 2, False)):
       spec = spec_of(head_dim, deterministic, length, kv_heads, kv_length)
       tiles = mosaic_config.MosaicConfig.for_call(spec).block_sizes

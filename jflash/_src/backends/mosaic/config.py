@@ -56,7 +56,8 @@ class MosaicBlockSizes:
       (3-12% faster, dQ's last bits vary). Without tiles from the user,
       calls take atomic_dq by themselves where it was faster than the two
       kernels (`atomic_dq_where_faster`: head dim 64 from 8192 queries and
-      keys, or 4096 with deterministic_grads=False).
+      keys; with deterministic_grads=False head dim 64 from 4096 and 128
+      from 16384).
   """
 
   block_q: int = 64
@@ -339,38 +340,39 @@ def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
 
 # The calls whose 16-bit tiles take atomic_dq by themselves (the 5-product
 # backward) because it was faster than the default's two backward kernels
-# (H100, fwd+bwd, one query head per kv head; D=128 was slower in both
-# kinds: 0.95-0.99x in float32, 0.86-1.00x in fixed point, 0.81x at 4x2048
-# causal):
-# - `deterministic_grads=False` (float32 adds), D=64 from 4096 queries and
-#   keys, non-causal / causal: 1.07-1.10x / 1.01x at 2x4096, 1.08x at
-#   4x4096, 1.03x / 1.03x at 1x16384, but 0.98x / 0.79x at 8x1024 and
-#   0.98x / 0.98x at 2x8192 with 4 query heads per kv head (RECORD
-#   2026-11-26, "the atomic dQ at 240 registers on all rows" and the
-#   `deterministic_grads=False` entries).
-# - deterministic calls (int32 fixed point, bitwise the same run after run),
-#   D=64 from 8192 queries and keys: 1.01x at 1x8192x16, 1.08-1.09x at
-#   4x8192x16 and 2x8192x32, 1.06-1.09x at 16k-32k tokens, 1.04x / 1.07x
-#   causal at 16k / 32k; 0.96x at 2x4096 (RECORD 2026-11-27, "where fixed
-#   point wins at head dim 64"; 2026-11-26, "the fixed-point dQ pieces
-#   rounded and reduce-added by the producer").
-ATOMIC_DQ_HEAD_DIMS = (64,)
-NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN = 4096
-DETERMINISTIC_ATOMIC_DQ_MIN_LEN = 8192
+# (H100, fwd+bwd, one query head per kv head), by head dim: the shortest
+# query and key length from which it takes it.
+# - `deterministic_grads=False` (float32 adds): D=64 from 4096, non-causal
+#   / causal: 1.07-1.10x / 1.01x at 2x4096, 1.08x at 4x4096, 1.03x / 1.03x
+#   at 1x16384, but 0.98x / 0.79x at 8x1024 and 0.98x / 0.98x at 2x8192
+#   with 4 query heads per kv head (RECORD 2026-11-26, "the atomic dQ at
+#   240 registers on all rows" and the `deterministic_grads=False`
+#   entries). D=128 from 16384: 1.03x at 1x16384, 1.05x at 2x16384,
+#   1.04-1.06x at 1x32768 and 1x65536, causal 1.06x / 1.06x at 32k / 64k;
+#   1.015x at 2x8192, 0.95-0.99x at 2k-8k, 0.81x at 4x2048 causal (RECORD
+#   2026-11-27, "the float32 atomic dQ at head dim 128 over long
+#   sequences").
+# - deterministic calls (int32 fixed point, bitwise the same run after run):
+#   D=64 from 8192: 1.01x at 1x8192x16, 1.08-1.09x at 4x8192x16 and
+#   2x8192x32, 1.06-1.09x at 16k-32k tokens, 1.04x / 1.07x causal at 16k /
+#   32k; 0.95-0.985x at 4096 (RECORD 2026-11-27, "where fixed point wins at
+#   head dim 64"). D=128 0.86-1.03x at every length measured (1.00-1.03x
+#   from 32k): never.
+NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN = {64: 4096, 128: 16384}
+DETERMINISTIC_ATOMIC_DQ_MIN_LEN = {64: 8192}
 
 
 def atomic_dq_where_faster(tiles: MosaicBlockSizes, spec: CallSpec
                            ) -> MosaicBlockSizes:
   """The call's tiles with atomic_dq where it was faster than the two
-  backward kernels: 16-bit, one query head per kv head, a head dim in
-  ATOMIC_DQ_HEAD_DIMS, query and key lengths from
-  NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN (`deterministic_grads=False`: float32
-  adds) or DETERMINISTIC_ATOMIC_DQ_MIN_LEN (deterministic: int32 fixed
-  point), shared memory permitting; else `tiles` as they are."""
+  backward kernels: 16-bit, one query head per kv head, query and key
+  lengths from the head dim's entry in NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN
+  (`deterministic_grads=False`: float32 adds) or
+  DETERMINISTIC_ATOMIC_DQ_MIN_LEN (deterministic: int32 fixed point),
+  shared memory permitting; else `tiles` as they are."""
   min_len = (DETERMINISTIC_ATOMIC_DQ_MIN_LEN if spec.deterministic_grads
-             else NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN)
-  if (is_fp8(spec) or spec.group != 1
-      or spec.head_dim not in ATOMIC_DQ_HEAD_DIMS
+             else NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN).get(spec.head_dim)
+  if (is_fp8(spec) or spec.group != 1 or min_len is None
       or min(spec.q_len, spec.kv_len) < min_len):
     return tiles
   atomic = dataclasses.replace(tiles, atomic_dq=True)
