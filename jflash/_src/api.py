@@ -262,12 +262,13 @@ def flash_attention(
       same run after run (no kernel adds floats in a varying order; not
       Flax's `deterministic`, which turns dropout off). False lets a
       backend take such kernels where they are faster: today the Mosaic
-      backward at head dim 64 with 16-bit inputs, no `block_sizes` of the
-      caller's, no GQA and 4096 or more queries and keys adds dQ into
-      float32 with reduce-adds from the dK/dV kernel (one kernel, 5 matrix
-      products instead of 7; forward+backward on an H100 1.07-1.10x faster
-      at 2 x 4096 and 4 x 4096 x 16 heads, 1.03x at 1 x 16384, 1.01-1.03x
-      causal); the last bits of dQ then vary between runs. Other calls are
+      backward with 16-bit inputs, no `block_sizes` of the caller's, no
+      GQA, at head dim 64 from 4096 queries and keys and at 128 from 16384
+      adds dQ into float32 with reduce-adds from the dK/dV kernel (one
+      kernel, 5 matrix products instead of 7; forward+backward on an H100
+      1.07-1.10x faster at 2 x 4096 and 4 x 4096 x 16 heads of 64, 1.03x at
+      1 x 16384, 1.01-1.03x causal; 1.03-1.06x at head dim 128 from 16k
+      tokens); the last bits of dQ then vary between runs. Other calls are
       unchanged by it. (Deterministic calls at head dim 64 take the same
       one-kernel backward from 8192 queries and keys, adding dQ in int32
       fixed point: exact in any order, 1.01-1.09x the two kernels there.)
