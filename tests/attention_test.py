@@ -339,28 +339,32 @@ class MosaicAtomicDqTest(parameterized.TestCase):
     results = jax.block_until_ready(step(q, k, v, dout))
     test_util.assert_close_to_reference(self, results, q, k, v, dout)
 
-  @parameterized.named_parameters(("d64_deterministic", 64, True),
-                                  ("d128_float32_adds", 128, False))
-  def test_default_over_long_sequences(self, head_dim, deterministic):
+  @parameterized.named_parameters(("d64_deterministic", 64, True, False),
+                                  ("d128_float32_adds", 128, False, True))
+  def test_default_over_long_sequences(self, head_dim, deterministic,
+                                       causal):
     """A default call over the head dim's shortest length in
-    DETERMINISTIC_ATOMIC_DQ_MIN_LEN (deterministic: int32 fixed point) or
-    NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN (`deterministic_grads=False`: float32
-    adds) takes the 5-product backward by itself: gradients against the
-    reference, and, deterministic, bitwise the same on a second run."""
+    DETERMINISTIC_ATOMIC_DQ_MIN_LEN (deterministic, not causal: int32 fixed
+    point) or NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN
+    (`deterministic_grads=False`: float32 adds) takes the 5-product
+    backward by itself: gradients against the reference, and,
+    deterministic, bitwise the same on a second run."""
     length = (mosaic_config.DETERMINISTIC_ATOMIC_DQ_MIN_LEN if deterministic
               else mosaic_config.NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN)[head_dim]
     q, k, v, dout = test_util.random_inputs(
         41, batch=1, q_len=length, kv_len=length, num_heads=2,
         num_kv_heads=2, head_dim=head_dim, dtype="bfloat16")
-    spec = api.describe(q, k, v, deterministic_grads=deterministic).spec
+    spec = api.describe(q, k, v, is_causal=causal,
+                        deterministic_grads=deterministic).spec
     self.assertTrue(
         mosaic_config.MosaicConfig.for_call(spec).block_sizes.atomic_dq)
     fn = functools.partial(jflash.flash_attention, implementation="mosaic",
-                           is_causal=True, deterministic_grads=deterministic)
+                           is_causal=causal,
+                           deterministic_grads=deterministic)
     step = jax.jit(functools.partial(test_util.value_and_grads, fn))
     results = jax.block_until_ready(step(q, k, v, dout))
     test_util.assert_close_to_reference(self, results, q, k, v, dout,
-                                        is_causal=True)
+                                        is_causal=causal)
     if deterministic:
       again = jax.block_until_ready(step(q, k, v, dout))
       for first, second in zip(jax.tree.leaves(results),

@@ -242,15 +242,31 @@ class TrainingLaunchTest(parameterized.TestCase):
     # (config.atomic_dq_where_faster), which fit: with
     # deterministic_grads=False (float32 adds) at head dim 64 from 4096
     # queries and keys and at 128 from 16384, deterministic calls (int32
-    # fixed point) at head dim 64 from 8192; shorter ones, GQA, head dim 256
-    # (slower with it) and FP8 keep two backward kernels; tiles asking for
-    # atomic_dq are taken in both kinds of call.
+    # fixed point) at head dim 64 from 8192, causal from 16384, not with a
+    # window or segment ids; shorter ones, GQA, head dim 256 (slower with
+    # it) and FP8 keep two backward kernels; tiles asking for atomic_dq are
+    # taken in both kinds of call.
     def spec_of(head_dim, deterministic, length=4096, kv_heads=2,
-                kv_length=None):
+                kv_length=None, **mask):
       q = jnp.zeros((1, length, 2, head_dim), jnp.bfloat16)
       kv = jnp.zeros((1, kv_length or length, kv_heads, head_dim),
                      jnp.bfloat16)
-      return api.describe(q, kv, kv, deterministic_grads=deterministic).spec
+      return api.describe(q, kv, kv, deterministic_grads=deterministic,
+                          **mask).spec
+
+    ids = jnp.zeros((1, 16384), jnp.int32)
+    for mask, length, expected in (
+        (dict(is_causal=True), 8192, False),
+        (dict(is_causal=True), 16376, False),
+        (dict(is_causal=True), 16384, True),
+        (dict(local_window_size=(1024, 0)), 16384, False),
+        (dict(q_segment_ids=ids, kv_segment_ids=ids), 16384, False)):
+      for deterministic in (True, False):
+        spec = spec_of(64, deterministic, length, **mask)
+        self.assertEqual(
+            mosaic_config.MosaicConfig.for_call(spec).block_sizes.atomic_dq,
+            expected or not deterministic,
+            msg=f"{mask.keys()} {length=} {deterministic=}")
 
     for head_dim, deterministic, length, kv_length, kv_heads, expected in (
         (64, False, 4096, None, 2, True), (64, False, 4088, None, 2, False),

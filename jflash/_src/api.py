@@ -269,9 +269,10 @@ def flash_attention(
       1.07-1.10x faster at 2 x 4096 and 4 x 4096 x 16 heads of 64, 1.03x at
       1 x 16384, 1.01-1.03x causal; 1.03-1.06x at head dim 128 from 16k
       tokens); the last bits of dQ then vary between runs. Other calls are
-      unchanged by it. (Deterministic calls at head dim 64 take the same
-      one-kernel backward from 8192 queries and keys, adding dQ in int32
-      fixed point: exact in any order, 1.01-1.09x the two kernels there.)
+      unchanged by it. (Deterministic calls at head dim 64 without a
+      window or segment ids take the same one-kernel backward from 8192
+      queries and keys, causal from 16384, adding dQ in int32 fixed point:
+      exact in any order, 1.01-1.09x the two kernels there.)
 
   Returns:
     Array of `query`'s shape and dtype (FP8 inputs: `out_dtype`); with

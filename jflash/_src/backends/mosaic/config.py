@@ -56,8 +56,9 @@ class MosaicBlockSizes:
       (3-12% faster, dQ's last bits vary). Without tiles from the user,
       calls take atomic_dq by themselves where it was faster than the two
       kernels (`atomic_dq_where_faster`: head dim 64 from 8192 queries and
-      keys; with deterministic_grads=False head dim 64 from 4096 and 128
-      from 16384).
+      keys, causal from 16384, without a window or segment ids; with
+      deterministic_grads=False head dim 64 from 4096 and 128 from
+      16384).
   """
 
   block_q: int = 64
@@ -352,14 +353,18 @@ def default_tiles(spec: CallSpec) -> MosaicBlockSizes:
 #   1.015x at 2x8192, 0.95-0.99x at 2k-8k, 0.81x at 4x2048 causal (RECORD
 #   2026-11-27, "the float32 atomic dQ at head dim 128 over long
 #   sequences").
-# - deterministic calls (int32 fixed point, bitwise the same run after run):
-#   D=64 from 8192: 1.01x at 1x8192x16, 1.08-1.09x at 4x8192x16 and
-#   2x8192x32, 1.06-1.09x at 16k-32k tokens, 1.04x / 1.07x causal at 16k /
-#   32k; 0.95-0.985x at 4096 (RECORD 2026-11-27, "where fixed point wins at
-#   head dim 64"). D=128 0.86-1.03x at every length measured (1.00-1.03x
-#   from 32k): never.
+# - deterministic calls (int32 fixed point, bitwise the same run after run),
+#   D=64, without a window or segment ids (they shorten what a row sees,
+#   and the fixed point loses on short rows): from 8192, 1.01x at
+#   1x8192x16, 1.08-1.09x at 4x8192x16 and 2x8192x32, 1.06-1.09x at 16k-32k
+#   tokens, 0.95-0.985x at 4096; causal from 16384: 1.04x / 1.07x at 16k /
+#   32k, 0.96-0.97x at 1x8192, 1.01x at 2x8192, 1.02x at 4x8192 (RECORD
+#   2026-11-27, "where fixed point wins at head dim 64" and "the
+#   fixed-point rule's causal edge"). D=128 0.86-1.03x at every length
+#   measured (1.00-1.03x from 32k): never.
 NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN = {64: 4096, 128: 16384}
 DETERMINISTIC_ATOMIC_DQ_MIN_LEN = {64: 8192}
+DETERMINISTIC_CAUSAL_ATOMIC_DQ_MIN_LEN = {64: 16384}
 
 
 def atomic_dq_where_faster(tiles: MosaicBlockSizes, spec: CallSpec
@@ -367,11 +372,19 @@ def atomic_dq_where_faster(tiles: MosaicBlockSizes, spec: CallSpec
   """The call's tiles with atomic_dq where it was faster than the two
   backward kernels: 16-bit, one query head per kv head, query and key
   lengths from the head dim's entry in NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN
-  (`deterministic_grads=False`: float32 adds) or
-  DETERMINISTIC_ATOMIC_DQ_MIN_LEN (deterministic: int32 fixed point),
-  shared memory permitting; else `tiles` as they are."""
-  min_len = (DETERMINISTIC_ATOMIC_DQ_MIN_LEN if spec.deterministic_grads
-             else NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN).get(spec.head_dim)
+  (`deterministic_grads=False`: float32 adds) or, deterministic (int32
+  fixed point) and without a window or segment ids, in
+  DETERMINISTIC_ATOMIC_DQ_MIN_LEN (causal:
+  DETERMINISTIC_CAUSAL_ATOMIC_DQ_MIN_LEN); shared memory permitting; else
+  `tiles` as they are."""
+  mask = spec.mask
+  if not spec.deterministic_grads:
+    min_len = NONDETERMINISTIC_ATOMIC_DQ_MIN_LEN.get(spec.head_dim)
+  elif mask.window is not None or mask.has_segments:
+    min_len = None
+  else:
+    min_len = (DETERMINISTIC_CAUSAL_ATOMIC_DQ_MIN_LEN if mask.is_causal
+               else DETERMINISTIC_ATOMIC_DQ_MIN_LEN).get(spec.head_dim)
   if (is_fp8(spec) or spec.group != 1 or min_len is None
       or min(spec.q_len, spec.kv_len) < min_len):
     return tiles
